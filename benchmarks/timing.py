@@ -1,0 +1,55 @@
+"""Timing shared by the benchmarks: CUDA events around CUDA-graph replays (so launch gaps do not
+count), warm-up first, median of many repeats; on the CPU, perf_counter medians."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def median_time_us(fn: Callable[[], object], device: str, repeats: int = 100, graph: bool = True) -> float:
+    """Median microseconds of one call of fn. On CUDA fn is captured once in a graph (it must be
+    capturable: no allocation that outlives the call, no host sync) when graph is True."""
+    if device == "cpu":
+        fn()
+        samples = []
+        for _ in range(max(5, repeats // 10)):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(samples)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up: module load, handles, allocator
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    run()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = median_time_us(lambda: dst.copy_(src), device, repeats=20, graph=False)
+    return 2 * nbytes / (us * 1e-6) / 1e9

@@ -1,0 +1,15 @@
+// The pybind11 module pagedkv._C. Loading it also registers the TORCH_LIBRARY(pagedkv) ops
+// (static initializers in ops.cpp, cpu/ and cuda/). Only ints, lists and tensors cross here.
+#include <torch/extension.h>
+
+#include "build_info.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pagedkv C++/CUDA core";
+  m.attr("build_info") = PAGEDKV_BUILD_INFO;
+#ifdef PAGEDKV_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -1,0 +1,14 @@
+"""pagedkv: paged KV cache and fused decode kernels for Hugging Face causal LMs."""
+
+from pagedkv._ext import _C
+from pagedkv import ops
+
+__version__ = "0.1.0"
+
+build_info: str = _C.build_info
+"""What the extension was built with, e.g. ``CPU + CUDA (archs 80;90, ...)``."""
+
+with_cuda: bool = _C.with_cuda
+"""True when the CUDA kernels were compiled in."""
+
+__all__ = ["ops", "build_info", "with_cuda", "__version__"]

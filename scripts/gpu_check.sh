@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# On a GPU machine (H100/H200): build pagedkv against the torch installed there, run the `cuda`
+# tests, then the benchmarks, and write what happened under $OUT (the device tool's results
+# folder), else $RESULTS_DIR, else ./results:
+#   summary.md     build info, test summary line, each benchmark's table
+#   gpu_check.log  everything printed (environment, build, tests, benchmarks)
+#   *.png          the benchmarks' plots
+# Usage: scripts/gpu_check.sh [--no-tests] [--bench all|none|NAME[,NAME...]] [-- PYTEST_ARGS]
+#   NAME is a benchmark file's stem without "bench_" (e.g. norm, attention).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${OUT:-${RESULTS_DIR:-results}}
+mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+PY=${PYTHON:-python3}
+RUN_TESTS=1
+BENCH=all
+PYTEST_ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-tests) RUN_TESTS=0 ;;
+    --bench) BENCH=$2; shift ;;
+    --) shift; PYTEST_ARGS=("$@"); break ;;
+    *) echo "gpu_check.sh: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+LOG="$RESULTS/gpu_check.log"
+SUMMARY="$RESULTS/summary.md"
+exec > >(tee -a "$LOG") 2>&1
+export PYTHONUNBUFFERED=1 PAGEDKV_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+export PAGEDKV_CUDA_ARCHS=${PAGEDKV_CUDA_ARCHS:-90}  # the machine's own arch: half the compile
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
+
+echo "== build"
+start=$(date +%s)
+if ! "$PY" -m pip install --no-build-isolation --no-deps --quiet --disable-pip-version-check .; then
+  echo "# gpu_check: BUILD FAILED (see gpu_check.log)" > "$SUMMARY"
+  exit 1
+fi
+info=$(cd /tmp && "$PY" -c "import pagedkv; print(pagedkv.build_info)")
+echo "built in $(( $(date +%s) - start )) s: $info"
+{ echo "# gpu_check $(date -u +%FT%TZ)"; echo; echo "- device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"; echo "- build: $info"; } > "$SUMMARY"
+
+status=0
+if [ "$RUN_TESTS" = 1 ]; then
+  echo "== tests (-m cuda)"
+  # Run from the installed package: tests import pagedkv, not the source folder.
+  "$PY" -m pytest -m cuda -q -p no:cacheprovider tests "${PYTEST_ARGS[@]}" | tee "$RESULTS/.pytest.txt"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || status=1
+  echo "- cuda tests: $(tail -1 "$RESULTS/.pytest.txt") (exit $rc)" >> "$SUMMARY"
+  rm -f "$RESULTS/.pytest.txt"
+fi
+
+if [ "$BENCH" != none ]; then
+  for script in benchmarks/bench_*.py; do
+    name=$(basename "$script" .py); name=${name#bench_}
+    if [ "$BENCH" != all ] && [[ ",$BENCH," != *",$name,"* ]]; then continue; fi
+    echo "== benchmark $name"
+    if "$PY" "$script" --out "$RESULTS"; then
+      { echo; echo "## $name"; echo; cat "$RESULTS/bench_$name.md" 2>/dev/null; } >> "$SUMMARY"
+      rm -f "$RESULTS/bench_$name.md"
+    else
+      status=1; echo "- benchmark $name FAILED" >> "$SUMMARY"
+    fi
+  done
+fi
+echo "== summary"; cat "$SUMMARY"
+exit $status

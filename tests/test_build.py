@@ -1,0 +1,34 @@
+"""The extension loads once, reports what it was built with, and explains a failed load."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import pagedkv
+from pagedkv import _ext
+
+
+def test_build_info_names_what_was_built():
+    assert pagedkv.build_info.startswith("CPU")
+    assert ("CUDA" in pagedkv.build_info) == pagedkv.with_cuda
+    assert hasattr(torch.ops.pagedkv, "rms_norm")
+
+
+@pytest.mark.cuda
+def test_cuda_kernels_are_built():
+    assert pagedkv.with_cuda, f"running on a GPU machine with a CPU-only build: {pagedkv.build_info}"
+
+
+def test_failed_load_says_where_it_looked_and_how_to_rebuild(monkeypatch):
+    def missing(name):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(ImportError) as err:
+        _ext.load_extension()
+    message = str(err.value)
+    assert "Looked in" in message and "pagedkv" in message
+    assert "pip install --no-build-isolation -e ." in message
