@@ -31,6 +31,12 @@ SUMMARY="$RESULTS/summary.md"
 exec > >(tee -a "$LOG") 2>&1
 export PYTHONUNBUFFERED=1 PAGEDKV_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 export PAGEDKV_CUDA_ARCHS=${PAGEDKV_CUDA_ARCHS:-90}  # the machine's own arch: half the compile
+# The lent GPU machines set CXX=/opt/gcc/bin/g++, a gcc that links libstdc++ statically; an
+# extension holding its own libstdc++ beside torch's shared one crashes formatting a number into
+# an error message (two copies of the locale facets). Build with the system compiler instead.
+if [ -x /usr/bin/g++ ]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
 
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
