@@ -44,7 +44,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 
 echo "== build"
 start=$(date +%s)
-if ! "$PY" -m pip install --no-build-isolation --no-deps --quiet --disable-pip-version-check .; then
+# A build folder of its own: a CMake cache configured with another compiler would be reused.
+if ! "$PY" -m pip install --no-build-isolation --no-deps --quiet --disable-pip-version-check \
+    -Cbuild-dir="build/gpu-{wheel_tag}" .; then
   echo "# gpu_check: BUILD FAILED (see gpu_check.log)" > "$SUMMARY"
   exit 1
 fi
