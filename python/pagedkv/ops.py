@@ -38,8 +38,28 @@ def fused_add_rms_norm(
     _ops.fused_add_rms_norm(input, residual, weight, epsilon)
 
 
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear``: x [..., K] (last dim contiguous) @ weight [N, K]^T + bias [N] -> [..., N].
+
+    On CUDA, up to 8 rows of bf16/fp16 x use pagedkv's weight-streaming kernel (batch-1..8 decode
+    steps are bound by reading the weight once); more rows, or fp32, use cuBLAS.
+    """
+    if out is None:
+        out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    _ops.linear(out, x, weight, bias)
+    return out
+
+
 @torch.library.register_fake("pagedkv::rms_norm")
 def _rms_norm_fake(out, input, weight, epsilon) -> None:
+    return None
+
+
+@torch.library.register_fake("pagedkv::linear")
+def _linear_fake(out, x, weight, bias) -> None:
     return None
 
 

@@ -1,0 +1,79 @@
+"""Decode-sized matrix products on the W1 (Qwen2.5-7B) layer shapes: pagedkv.ops.linear's
+weight-streaming kernel against F.linear (cuBLAS, what HF runs) in the same run, bf16, for 1 and
+8 rows. Weights are rotated among copies totalling > 4x the L2 so each call reads from memory.
+
+    python benchmarks/bench_linear.py [--out DIR]
+Prints and saves bench_linear.md/.png: microseconds, GB/s of weight bytes, % of copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from report import markdown_table, save_bar_plot, save_table  # noqa: E402
+from timing import copy_bandwidth_gbs, median_time_us  # noqa: E402
+
+from pagedkv import ops  # noqa: E402
+
+# name: (n, k, bias) for Qwen2.5-7B: hidden 3584, 28 q / 4 kv heads of 128, inter 18944.
+SHAPES = {
+    "qkv": (4608, 3584, True), "o": (3584, 3584, False), "gate_up": (37888, 3584, False),
+    "down": (3584, 18944, False), "lm_head": (152064, 3584, False),
+}
+LAYERS = 28
+ROWS = [1, 8]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_linear.py needs a CUDA GPU (it measures memory bandwidth)")
+    device, dtype = "cuda", torch.bfloat16
+    copy_gbs = copy_bandwidth_gbs(device)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    rows_out, totals = [], {}
+    for (name, (n, k, with_bias)), m in itertools.product(SHAPES.items(), ROWS):
+        nbytes = n * k * 2
+        copies = max(1, -(-4 * l2 // nbytes))
+        weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
+        bias = torch.randn(n, device=device, dtype=dtype) if with_bias else None
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        turn = itertools.cycle(range(copies))
+        # Each timed call reads the next copy: calls_per_graph is a multiple of the copy count.
+        calls = copies * max(1, 20 // copies)
+        hf_us = median_time_us(lambda: F.linear(x, weights[next(turn)], bias), device, calls_per_graph=calls)
+        ours_us = median_time_us(lambda: ops.linear(x, weights[next(turn)], bias, out=out), device,
+                                 calls_per_graph=calls)
+        hf_gbs, ours_gbs = nbytes / hf_us / 1e3, nbytes / ours_us / 1e3
+        per_step = 1 if name == "lm_head" else LAYERS
+        totals.setdefault(m, [0.0, 0.0])
+        totals[m][0] += per_step * hf_us
+        totals[m][1] += per_step * ours_us
+        rows_out.append([f"{name} {n}x{k}", m, hf_us, ours_us, hf_gbs, ours_gbs,
+                         f"{100 * ours_gbs / copy_gbs:.0f}%", hf_us / ours_us])
+        del weights
+    for m, (hf_total, ours_total) in totals.items():
+        rows_out.append([f"all of one W1 decode step", m, hf_total, ours_total, "", "", "",
+                         hf_total / ours_total])
+    header = ["matrix", "rows", "F.linear (cuBLAS) us", "pagedkv us", "cuBLAS GB/s", "pagedkv GB/s",
+              "pagedkv % of copy", "speed-up"]
+    title = (f"decode GEMV, bf16, {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s "
+             f"(read + write)")
+    save_table(args.out, "bench_linear", title, markdown_table(header, rows_out))
+    single = [r for r in rows_out if r[1] == 1 and not str(r[0]).startswith("all")]
+    save_bar_plot(args.out, "bench_linear", title + ", 1 row", [r[0].split()[0] for r in single],
+                  {"cuBLAS": [r[4] for r in single], "pagedkv": [r[5] for r in single]}, "GB/s of weights")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The device-side state of a fixed batch being decoded by generate(): every row's blocks are
+reserved up front, so each step's metadata (positions, slots, context lengths) follows from the
+last on the device. A decode step therefore needs no host work and no host->device copy, and the
+whole step, advance included, replays as one CUDA graph.
+
+Rows beyond the real batch (padding up to a CUDA-graph bucket) have context length 0 and slot -1:
+the kernels skip them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedkv.models.llama import StepMetadata
+
+
+@dataclasses.dataclass(slots=True)
+class DecodeState:
+    tokens: torch.Tensor  # [B] int64: the token each row feeds next
+    positions: torch.Tensor  # [B] int32: its position
+    context_lens: torch.Tensor  # [B] int32: positions + 1 for live rows, 0 for padding rows
+    slot_mapping: torch.Tensor  # [B] int32: its cache slot, -1 for padding rows
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    generated: torch.Tensor  # [B] int32: tokens generated so far (min_new_tokens)
+    offsets: torch.Tensor  # [B] int64: sampler counter, one per step
+    seen: torch.Tensor | None  # [B, V] bool: tokens in the row so far (repetition penalty)
+    block_size: int
+
+    @classmethod
+    def allocate(cls, batch: int, max_blocks: int, vocab: int | None, block_size: int,
+                 device: torch.device) -> "DecodeState":
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            tokens=torch.zeros(batch, dtype=torch.int64, device=device),
+            positions=torch.zeros(batch, **i32), context_lens=torch.zeros(batch, **i32),
+            slot_mapping=torch.full((batch,), -1, **i32),
+            block_tables=torch.zeros(batch, max_blocks, **i32),
+            generated=torch.zeros(batch, **i32),
+            offsets=torch.zeros(batch, dtype=torch.int64, device=device),
+            seen=None if vocab is None else torch.zeros(batch, vocab, dtype=torch.bool, device=device),
+            block_size=block_size,
+        )
+
+    def metadata(self) -> StepMetadata:
+        return StepMetadata(positions=self.positions, slot_mapping=self.slot_mapping,
+                            block_tables=self.block_tables, context_lens=self.context_lens)
+
+    def advance(self, next_tokens: torch.Tensor) -> None:
+        """After a step sampled next_tokens [B]: feed them, one position further (on device)."""
+        live = (self.context_lens > 0).to(torch.int32)
+        self.tokens.copy_(next_tokens)
+        self.positions.add_(live)
+        self.context_lens.add_(live)
+        self.generated.add_(live)
+        self.offsets.add_(1)
+        if self.seen is not None:
+            self.seen.scatter_(1, next_tokens.unsqueeze(1), True)
+        self.update_slots()
+
+    def update_slots(self) -> None:
+        """slot = block_tables[row, pos // block_size] * block_size + pos % block_size."""
+        pos = self.positions.long()
+        block = self.block_tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1)
+        slots = block * self.block_size + (self.positions % self.block_size)
+        torch.where(self.context_lens > 0, slots, torch.full_like(slots, -1), out=self.slot_mapping)

@@ -1,0 +1,117 @@
+"""A drop-in HF ``generate()``: same arguments, same greedy tokens, on pagedkv's runner.
+
+    out = pagedkv.generate(model, input_ids, attention_mask=mask, max_new_tokens=64)
+    pagedkv.patch(model)   # model.generate(...) now runs on pagedkv; pagedkv.unpatch(model)
+
+The loop keeps one decode step queued on the GPU ahead of the host: the host reads back step t's
+tokens (the only sync) while step t+1 runs, so finished rows are found one step late, and that
+spare step's tokens are discarded.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from pagedkv.generation_config import GenerationSettings, resolve_generation
+from pagedkv.runner import runner_for
+from pagedkv.support import attention_window, check_supported
+
+
+def _prompts_from_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's real tokens. HF's decoder-only generate expects left padding."""
+    if attention_mask is None:
+        return input_ids.tolist()
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"pagedkv.generate: attention_mask has shape {tuple(attention_mask.shape)} "
+                         f"but input_ids has {tuple(input_ids.shape)}; they must match")
+    mask = attention_mask.bool().cpu()
+    lengths = mask.sum(1)
+    width = input_ids.shape[1]
+    expected = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
+    if not torch.equal(mask, expected):
+        raise ValueError("pagedkv.generate: attention_mask must be left-padded (zeros, then ones "
+                         "in each row), as HF's decoder-only generate expects; got another pattern")
+    if (lengths == 0).any():
+        raise ValueError(f"pagedkv.generate: row(s) {(lengths == 0).nonzero().flatten().tolist()} "
+                         "of attention_mask are empty; every prompt needs at least one token")
+    ids = input_ids.cpu()
+    return [ids[r, width - int(n):].tolist() for r, n in enumerate(lengths)]
+
+
+def _check_inputs(model, input_ids) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("pagedkv.generate: input_ids must be a 2-D tensor [batch, prompt_length] "
+                         f"of token ids, got {type(input_ids).__name__} "
+                         f"{tuple(getattr(input_ids, 'shape', ()))}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"pagedkv.generate: input_ids has dtype {input_ids.dtype}; allowed: torch.int64, torch.int32")
+    if input_ids.numel() == 0:
+        raise ValueError("pagedkv.generate: input_ids is empty; every prompt needs at least one token")
+    device = next(model.parameters()).device
+    if input_ids.device != device:
+        raise ValueError(f"pagedkv.generate: input_ids is on {input_ids.device} but the model is on "
+                         f"{device}; move them to the model's device")
+    vocab = model.config.vocab_size
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"pagedkv.generate: input_ids hold ids in [{lo}, {hi}]; allowed: [0, {vocab - 1}]")
+
+
+@torch.inference_mode()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             generation_config: GenerationConfig | None = None, streamer=None,
+             use_cuda_graphs: bool | None = None, **kwargs):
+    """HF ``model.generate`` on pagedkv. input_ids: [B, S] (left-padded, with attention_mask),
+    on the model's device. Returns what HF returns: a [B, S + N] tensor of the prompts and the new
+    tokens (pad_token_id after a row's EOS), or a GenerateDecoderOnlyOutput with `sequences` when
+    return_dict_in_generate=True. Settings HF accepts but pagedkv does not implement raise
+    UnsupportedGenerationArgument naming them. use_cuda_graphs: default on for CUDA models."""
+    check_supported(model)
+    _check_inputs(model, input_ids)
+    settings = resolve_generation(model, input_ids.shape[1], generation_config, kwargs)
+    prompts = _prompts_from_left_padded(input_ids, attention_mask)
+    window = attention_window(model)
+    longest = max(len(p) for p in prompts) + settings.max_new_tokens
+    if window is not None and longest > window:
+        raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
+                         f"sliding_window is {window}; pagedkv attends to whole contexts, so it "
+                         f"runs only sequences within the window (prompt + max_new_tokens <= {window})")
+    runner = runner_for(model)
+    new_tokens = runner.generate(prompts, input_ids, settings, streamer, use_cuda_graphs)  # [B, N]
+    sequences = torch.cat([input_ids, new_tokens.to(input_ids.dtype)], dim=1)
+    if settings.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def patch(model, use_cuda_graphs: bool | None = None):
+    """Make ``model.generate`` run on pagedkv (same arguments). Returns the model."""
+    check_supported(model)
+    if getattr(model, "_pagedkv_original_generate", None) is None:
+        model._pagedkv_original_generate = model.generate
+    model.generate = types.MethodType(
+        functools.partial(_patched_generate, use_cuda_graphs=use_cuda_graphs), model)
+    return model
+
+
+def _patched_generate(model, input_ids=None, *args, use_cuda_graphs=None, **kwargs):
+    if args:
+        raise ValueError("pagedkv.generate takes input_ids positionally and everything else by "
+                         f"keyword; got {len(args)} more positional argument(s)")
+    if input_ids is None:
+        input_ids = kwargs.pop("inputs", None)
+    return generate(model, input_ids, use_cuda_graphs=use_cuda_graphs, **kwargs)
+
+
+def unpatch(model):
+    """Restore HF's ``model.generate``. Returns the model."""
+    original = getattr(model, "_pagedkv_original_generate", None)
+    if original is not None:
+        del model.generate  # the instance attribute; the class method shows through again
+        model._pagedkv_original_generate = None
+    return model

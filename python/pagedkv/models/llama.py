@@ -1,0 +1,172 @@
+"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) on pagedkv ops, HF's weights.
+
+One forward runs a flat batch of tokens: prefill chunks and decode tokens alike are rows of
+`input_ids [T]`; where each token's K/V go and what each query attends to comes from the step's
+metadata (slot_mapping, block tables, context lengths). Per layer:
+
+    fused add+RMSNorm -> QKV GEMM (one weight) -> RoPE (+ Qwen3 q/k norm) + write K,V to the cache
+    -> attention -> O GEMM -> fused add+RMSNorm -> gate_up GEMM (one weight) -> SiLU*mul -> down GEMM
+
+QKV and gate/up are fused ONCE without extra memory: the fused tensor is allocated, the HF
+weights are copied in, and HF's parameters are re-pointed to views of it. The HF model keeps
+working (its weights are the same values, now slices of the fused tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv import ops
+
+
+@dataclasses.dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(Hq + 2 * Hkv) * Dh, D]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 * Hkv) * Dh] (Qwen2)
+    q_norm: torch.Tensor | None  # [Dh] (Qwen3)
+    k_norm: torch.Tensor | None  # [Dh] (Qwen3)
+    o: torch.Tensor  # [D, Hq * Dh]
+    post_norm: torch.Tensor  # [D]
+    gate_up: torch.Tensor  # [2 * I, D]
+    down: torch.Tensor  # [D, I]
+
+
+@dataclasses.dataclass(slots=True)
+class DecoderWeights:
+    """The model's weights as the forward uses them; shapes in the field comments."""
+
+    embed: torch.Tensor  # [V, D]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+
+def _fuse_rows(linears: list[torch.nn.Linear], with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of `linears` along the output rows into one tensor,
+    and re-point each Linear's parameters to its slice, so nothing is stored twice."""
+    weights = [lin.weight for lin in linears]
+    fused = torch.cat([w.detach() for w in weights])
+    fused_bias = torch.cat([lin.bias.detach() for lin in linears]) if with_bias else None
+    row = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[row:row + rows]
+        if with_bias:
+            lin.bias.data = fused_bias[row:row + rows]
+        row += rows
+    return fused, fused_bias
+
+
+def extract_weights(model) -> DecoderWeights:
+    """Take (and fuse, in place) the weights of an HF Llama/Qwen2/Qwen3/Mistral *ForCausalLM.
+    Call once per model (the runner caches the result): weights updated in place later (e.g. by
+    load_state_dict) are seen, parameters replaced by new tensors are not."""
+    config = model.config
+    inner = model.model
+    layers = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        with_bias = attn.q_proj.bias is not None
+        qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], with_bias)
+        gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj], False)
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        layers.append(LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=qkv, qkv_bias=qkv_bias,
+            q_norm=None if q_norm is None else q_norm.weight.detach(),
+            k_norm=None if k_norm is None else k_norm.weight.detach(),
+            o=attn.o_proj.weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=gate_up, down=mlp.down_proj.weight.detach(),
+        ))
+    attn0 = inner.layers[0].self_attn
+    head_dim = attn0.head_dim
+    return DecoderWeights(
+        embed=inner.embed_tokens.weight.detach(), layers=layers,
+        final_norm=inner.norm.weight.detach(), lm_head=model.lm_head.weight.detach(),
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
+    )
+
+
+@dataclasses.dataclass(slots=True)
+class StepMetadata:
+    """Where one forward's tokens go and what they attend to. T new tokens, B sequences.
+
+    Decode (one new token per sequence, T == B): attention reads each sequence's whole context
+    through `block_tables`/`context_lens`. Prefill (whole new prompts): attention runs over the
+    new tokens themselves, sequence by sequence, `prefill_lens` long each.
+    """
+
+    positions: torch.Tensor  # [T] int32: position of each new token in its sequence
+    slot_mapping: torch.Tensor  # [T] int32: cache slot of each new token's K/V, -1 = padding
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (decode)
+    context_lens: torch.Tensor | None = None  # [B] int32, new token included (decode)
+    prefill_lens: list[int] | None = None  # new tokens per sequence, sum T (prefill)
+
+
+class PagedDecoder:
+    """The forward of one Llama-family model over the paged cache. Holds no per-step state."""
+
+    def __init__(self, weights: DecoderWeights, cos_sin_cache: torch.Tensor,
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        self.w = weights
+        self.cos_sin_cache = cos_sin_cache  # [max_position, Dh] fp32: cos | sin halves
+        self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
+        self.v_caches = v_caches
+
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [R, V] for the rows `logits_rows` [R] of the T tokens (all
+        when None), in the model's dtype."""
+        w = self.w
+        num_tokens = input_ids.shape[0]
+        q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
+        residual = F.embedding(input_ids, w.embed)  # [T, D]
+        hidden = ops.rms_norm(residual, w.layers[0].input_norm, w.eps)
+        for i, layer in enumerate(w.layers):
+            if i > 0:
+                ops.fused_add_rms_norm(hidden, residual, layer.input_norm, w.eps)
+            qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
+            q = qkv[:, :q_size].view(num_tokens, w.num_heads, w.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, w.num_kv_heads, w.head_dim)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, w.num_kv_heads, w.head_dim)
+            ops.rope_and_write_kv(q, k, v, meta.positions, self.cos_sin_cache, self.k_caches[i],
+                                  self.v_caches[i], meta.slot_mapping, q_norm_weight=layer.q_norm,
+                                  k_norm_weight=layer.k_norm, epsilon=w.eps)
+            attn = self._attention(i, q, k, v, meta)  # [T, Hq, Dh]
+            hidden = F.linear(attn.view(num_tokens, q_size), layer.o)
+            ops.fused_add_rms_norm(hidden, residual, layer.post_norm, w.eps)
+            act = ops.silu_and_mul(F.linear(hidden, layer.gate_up))  # [T, I]
+            hidden = F.linear(act, layer.down)
+        ops.fused_add_rms_norm(hidden, residual, w.final_norm, w.eps)
+        if logits_rows is not None:
+            hidden = hidden[logits_rows]
+        return F.linear(hidden, w.lm_head)
+
+    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   meta: StepMetadata) -> torch.Tensor:
+        if meta.prefill_lens is None:
+            return ops.paged_decode_attention(q, self.k_caches[layer], self.v_caches[layer],
+                                              meta.block_tables, meta.context_lens, self.w.scale)
+        # Prefill of fresh prompts: causal attention over the new tokens, which are at hand in
+        # q/k/v already (their K/V were also written to the cache for the decode steps).
+        out = torch.empty_like(q)
+        start = 0
+        for n in meta.prefill_lens:
+            qs, ks, vs = (t[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.w.scale,
+                                               enable_gqa=True)  # [1, Hq, n, Dh]
+            out[start:start + n] = o[0].transpose(0, 1)
+            start += n
+        return out

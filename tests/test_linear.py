@@ -1,0 +1,84 @@
+"""pagedkv.ops.linear against F.linear: the decode-sized kernel (<= 8 rows) and the cuBLAS path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICES
+from pagedkv import ops
+from tolerance import assert_close_to_baseline
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ROWS = [1, 2, 3, 5, 8, 9, 33]  # 9 and 33 take cuBLAS on CUDA
+SHAPES = [(64, 64), (200, 1024), (4608, 3584), (129, 18944)]  # (n, k)
+
+
+def reference(x, weight, bias):
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(device, dtype, rows, n, k, with_bias):
+    if device == "cpu" and (n * k > 1 << 20 or rows == 33):
+        pytest.skip("CPU covers the small shapes; the large ones exercise the CUDA kernel")
+    x = torch.randn(rows, k, dtype=dtype, device=device)
+    weight = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    bias = torch.randn(n, dtype=dtype, device=device) if with_bias else None
+    out = torch.full((rows, n), float("nan"), dtype=dtype, device=device)
+    ops.linear(x, weight, bias, out=out)
+    assert_close_to_baseline(out, F.linear(x, weight, bias), reference(x, weight, bias))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_and_leading_dims(device):
+    """x may be a row-strided view (a slice of a fused projection) and have leading dims."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    fused = torch.randn(4, 3 * 256, dtype=dtype, device=device)
+    x = fused[:, 256:512]  # row stride 768, last dim contiguous
+    weight = torch.randn(96, 256, dtype=dtype, device=device)
+    assert_close_to_baseline(ops.linear(x, weight), F.linear(x, weight), reference(x, weight, None))
+    x3 = torch.randn(2, 3, 256, dtype=dtype, device=device)
+    assert ops.linear(x3, weight).shape == (2, 3, 96)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x = torch.randn(2, 64, device=device)
+    weight = torch.randn(32, 64, device=device)
+    out = torch.empty(2, 32, device=device)
+    torch.library.opcheck(torch.ops.pagedkv.linear.default, (out, x, weight, torch.randn(32, device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_calls(device):
+    x = torch.randn(2, 64, device=device)
+    weight = torch.randn(32, 64, device=device)
+    with pytest.raises(RuntimeError, match=r"weight must be \[n, k\] with k = x.size\(-1\) = 64"):
+        ops.linear(x, weight[:, :32].contiguous())
+    with pytest.raises(RuntimeError, match=r"weight has dtype Half but x has Float"):
+        ops.linear(x, weight.half())
+    with pytest.raises(RuntimeError, match=r"bias must be \[n\] = \[32\]"):
+        ops.linear(x, weight, torch.randn(31, device=device))
+    with pytest.raises(RuntimeError, match=r"out must have shape \[2, 32\]"):
+        ops.linear(x, weight, out=torch.empty(2, 31, device=device))
+
+
+@pytest.mark.cuda
+def test_captured_in_cuda_graph():
+    x = torch.randn(1, 3584, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(4608, 3584, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(1, 4608, dtype=torch.bfloat16, device="cuda")
+    ops.linear(x, weight, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.linear(x, weight, out=out)
+    x.normal_()
+    out.fill_(float("nan"))
+    graph.replay()
+    assert_close_to_baseline(out, F.linear(x, weight), reference(x, weight, None))
