@@ -28,7 +28,7 @@ SHAPES = {
     "down": (3584, 18944, False), "lm_head": (152064, 3584, False),
 }
 LAYERS = 28
-ROWS = [1, 8]
+ROWS = [1, 2, 4, 8]
 
 
 def main() -> None:
