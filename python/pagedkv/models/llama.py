@@ -137,7 +137,7 @@ class PagedDecoder:
         for i, layer in enumerate(w.layers):
             if i > 0:
                 ops.fused_add_rms_norm(hidden, residual, layer.input_norm, w.eps)
-            qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
+            qkv = ops.linear(hidden, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
             q = qkv[:, :q_size].view(num_tokens, w.num_heads, w.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, w.num_kv_heads, w.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, w.num_kv_heads, w.head_dim)
@@ -145,14 +145,14 @@ class PagedDecoder:
                                   self.v_caches[i], meta.slot_mapping, q_norm_weight=layer.q_norm,
                                   k_norm_weight=layer.k_norm, epsilon=w.eps)
             attn = self._attention(i, q, k, v, meta)  # [T, Hq, Dh]
-            hidden = F.linear(attn.view(num_tokens, q_size), layer.o)
+            hidden = ops.linear(attn.view(num_tokens, q_size), layer.o)
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, w.eps)
-            act = ops.silu_and_mul(F.linear(hidden, layer.gate_up))  # [T, I]
-            hidden = F.linear(act, layer.down)
+            act = ops.silu_and_mul(ops.linear(hidden, layer.gate_up))  # [T, I]
+            hidden = ops.linear(act, layer.down)
         ops.fused_add_rms_norm(hidden, residual, w.final_norm, w.eps)
         if logits_rows is not None:
             hidden = hidden[logits_rows]
-        return F.linear(hidden, w.lm_head)
+        return ops.linear(hidden, w.lm_head)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: StepMetadata) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""W1: decode steps of a Qwen2.5-7B-shaped model (random bf16 weights), HF generate against
+pagedkv in the same run, for batch 1 / 8 / 32: ms per decode step, tokens/s, % of the roofline
+(weight + KV bytes over measured copy bandwidth), kernel launches per step, speed-up over HF.
+
+    python benchmarks/bench_generate.py [--out DIR] [--batches 1,8,32] [--hf-static] [--small]
+
+Per-step time = (time of generate with 1 + N new tokens - time with 1) / N: prefill excluded.
+--hf-static adds HF's static cache (auto-compiled; slow to compile). --small uses a 2-layer
+model of the same widths (smoke test, also on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from report import markdown_table, save_bar_plot, save_table  # noqa: E402
+from timing import copy_bandwidth_gbs  # noqa: E402
+
+import pagedkv  # noqa: E402
+
+W1 = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+          num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+          max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+PROMPT, NEW = 128, 128
+
+
+def build_model(small: bool, device: str):
+    config = Qwen2Config(**{**W1, "num_hidden_layers": 2 if small else 28})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model.generation_config.eos_token_id = None  # every request produces its full length
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def seconds(fn, device, repeats=3):
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def per_step_ms(generate, ids, device, new=NEW):
+    generate(ids, 1 + new)  # warm-up (graphs, compilation, allocator)
+    t_long = seconds(lambda: generate(ids, 1 + new), device)
+    t_short = seconds(lambda: generate(ids, 1), device)
+    return 1e3 * (t_long - t_short) / new
+
+
+def kernels_per_step(generate, ids, device, new=16):
+    if device != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = []
+    for n in (1, 1 + new):
+        generate(ids, n)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate(ids, n)
+            sync(device)
+        counts.append(sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                          and "Memcpy" not in e.name and "Memset" not in e.name))
+    return (counts[1] - counts[0]) / new
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--hf-static", action="store_true")
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = args.device
+    model = build_model(args.small, device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    copy_gbs = copy_bandwidth_gbs(device) if device == "cuda" else float("nan")
+    cfg = model.config
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+
+    systems = {
+        "HF eager (DynamicCache, sdpa)": lambda ids, n: model.generate(ids, max_new_tokens=n, do_sample=False),
+        "pagedkv eager": lambda ids, n: pagedkv.generate(model, ids, max_new_tokens=n, do_sample=False,
+                                                         use_cuda_graphs=False),
+    }
+    if device == "cuda":
+        systems["pagedkv CUDA graphs"] = lambda ids, n: pagedkv.generate(model, ids, max_new_tokens=n,
+                                                                         do_sample=False)
+    if args.hf_static:
+        systems["HF static cache (compiled)"] = lambda ids, n: model.generate(
+            ids, max_new_tokens=n, do_sample=False, cache_implementation="static")
+
+    rows, plot = [], {name: [] for name in systems}
+    batches = [int(b) for b in args.batches.split(",")]
+    for batch in batches:
+        ids = torch.randint(3, cfg.vocab_size, (batch, PROMPT), device=device)
+        # Mean KV read per step over the run: contexts from PROMPT to PROMPT + NEW.
+        kv_bytes = batch * (PROMPT + NEW / 2) * kv_bytes_per_token
+        roofline_ms = 1e3 * (weight_bytes + kv_bytes) / (copy_gbs * 1e9)
+        hf_ms = None
+        for name, gen in systems.items():
+            ms = per_step_ms(gen, ids, device)
+            hf_ms = ms if hf_ms is None else hf_ms
+            launches = kernels_per_step(gen, ids, device)
+            rows.append([batch, name, ms, batch * 1e3 / ms, f"{100 * roofline_ms / ms:.0f}%",
+                         launches, hf_ms / ms])
+            plot[name].append(ms)
+            print(rows[-1], flush=True)
+    header = ["batch", "system", "ms / decode step", "tokens/s", "% of roofline", "kernels / step",
+              "speed-up vs HF eager"]
+    name = "W1 (Qwen2.5-7B shape)" if not args.small else "W1 widths, 2 layers (smoke)"
+    title = (f"{name}, bf16, prompt {PROMPT}, {NEW} new tokens, greedy; "
+             f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; weights "
+             f"{weight_bytes / 1e9:.2f} GB, copy bandwidth {copy_gbs:.0f} GB/s")
+    save_table(args.out, "bench_generate", title, markdown_table(header, rows))
+    save_bar_plot(args.out, "bench_generate", title.split(";")[0], [f"batch {b}" for b in batches],
+                  plot, "ms per decode step")
+
+
+if __name__ == "__main__":
+    main()
