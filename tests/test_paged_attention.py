@@ -217,20 +217,24 @@ def test_cuda_graph_capture_and_replay():
         )
 
 
-def test_split_heuristic_uses_shapes_only():
-    """W3 shapes on a 132-SM H100: many splits for few sequences, none for many."""
-    def splits(batch, context, num_q_heads=32, num_kv_heads=8, block_size=16, num_sms=132):
-        return torch.ops.pagedkv.paged_decode_num_splits(
-            batch, num_q_heads, num_kv_heads, block_size, context // block_size, num_sms
-        )
-
-    assert splits(1, 32768) >= 32
-    assert splits(1, 8192) >= 32
-    assert 2 <= splits(16, 4096) <= 4
-    assert splits(64, 2048) == 1 and splits(256, 1024) == 1
-    assert splits(1, 1024) <= 1024 // 64  # no split shorter than 64 tokens
-    assert splits(1, 16) == 1 and splits(1, 8) == 1  # a single block never splits
-    assert splits(1, 32768, block_size=128) <= 256
+def test_split_heuristic_fills_waves_from_shapes_only():
+    """W3 shapes on a 132-SM H100 (4-head groups: 3 CTAs per SM): the CTAs fill >= 90% of
+    their waves, many splits for few sequences, few for many, none shorter than 64 tokens."""
+    num_sms, slots, block_size = 132, 132 * 3, 16
+    for batch, context in [(1, 1024), (1, 8192), (1, 32768), (16, 4096), (64, 2048), (256, 1024)]:
+        max_blocks = context // block_size
+        splits = torch.ops.pagedkv.paged_decode_num_splits(batch, 32, 8, block_size, max_blocks, num_sms)
+        tokens_per_split = math.ceil(max_blocks / splits) * block_size
+        assert tokens_per_split >= 64 and math.ceil(context / tokens_per_split) == splits
+        ctas = batch * 8 * splits
+        if context > 1024 or batch > 1:
+            assert ctas / (math.ceil(ctas / slots) * slots) >= 0.9, (batch, context, splits)
+        if batch == 1:
+            assert splits >= 16
+        if batch >= 64:
+            assert splits <= 4
+    one_block = torch.ops.pagedkv.paged_decode_num_splits(1, 32, 8, 16, 1, num_sms)
+    assert one_block == 1
 
 
 def test_workspace_is_empty_on_cpu_and_sized_for_forced_splits():

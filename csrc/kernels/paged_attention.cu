@@ -50,13 +50,36 @@ struct Plan {
   int max_tokens;        // max_blocks * block_size: context_lens are clamped to it
 };
 
-template <typename T, int N>
-__device__ __forceinline__ Vec<T, N> load16(const T* p) {
-  static_assert(sizeof(Vec<T, N>) == 16, "16-byte vector expected");
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-  Vec<T, N> v;
-  memcpy(&v, &raw, 16);
-  return v;
+__device__ __forceinline__ uint4 load16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// 16 loaded bytes -> 16 / sizeof(T) floats. bf16 is the top half of an fp32, so one shift or
+// mask per element (going through __nv_bfloat16 values costs ~3 instructions per element).
+__device__ __forceinline__ void unpack16(const uint4& raw, float* f, __nv_bfloat16) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void unpack16(const uint4& raw, float* f, __half) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2 h;
+    memcpy(&h, &w[i], 4);
+    const float2 x = __half22float2(h);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void unpack16(const uint4& raw, float* f, float) {
+  f[0] = __uint_as_float(raw.x);
+  f[1] = __uint_as_float(raw.y);
+  f[2] = __uint_as_float(raw.z);
+  f[3] = __uint_as_float(raw.w);
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -128,14 +151,11 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   for (int h = 0; h < G; ++h) {
 #pragma unroll
     for (int n = 0; n < kNv; ++n) {
-      Vec<T, kVec> v;
-      if (h < heads) {
-        v = load16<T, kVec>(q_base + h * a.q_stride_h + (n * kLanes + sub) * kVec);
-      } else {
-        memset(&v, 0, sizeof(v));
-      }
+      const uint4 raw = h < heads ? load16(q_base + h * a.q_stride_h + (n * kLanes + sub) * kVec)
+                                  : make_uint4(0, 0, 0, 0);
+      unpack16(raw, &q[h][n * kVec], T{});
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) q[h][n * kVec + j] = to_float(v.v[j]) * q_scale;
+      for (int j = 0; j < kVec; ++j) q[h][n * kVec + j] *= q_scale;
     }
   }
 
@@ -157,37 +177,30 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   const int slot_mask = (1 << plan.block_shift) - 1;
   constexpr int kWarpStride = kWarps * Tl::kTokensPerIter;
 
-  // Physical blocks of this lane's tokens, fetched one iteration ahead. Table entries past the
-  // context are never read.
+  // Physical blocks of this lane's tokens, fetched one iteration ahead. A lane past the end reads
+  // the last token again instead (no branch around its loads; its score is masked): table
+  // entries past the context are never read.
   int phys[kSteps];
   auto fetch_blocks = [&](int base) {
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
-      const int t = base + u * kSide + side;
-      phys[u] = t < end ? __ldg(table + (t >> plan.block_shift)) : 0;
+      const int t = min(base + u * kSide + side, end - 1);
+      phys[u] = __ldg(table + (t >> plan.block_shift));
     }
   };
   int t0 = begin + warp * Tl::kTokensPerIter;
   fetch_blocks(t0);
 
   for (; t0 < end; t0 += kWarpStride) {  // t0 is warp-uniform: shuffles below see all lanes
-    Vec<T, kVec> kr[kSteps][kNv], vr[kSteps][kNv];
+    uint4 kr[kSteps][kNv], vr[kSteps][kNv];
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
-      const int t = t0 + u * kSide + side;
-      if (t < end) {
-        const int64_t row = phys[u] * block_stride + (t & slot_mask) * token_stride + lane_offset;
+      const int t = min(t0 + u * kSide + side, end - 1);
+      const int64_t row = phys[u] * block_stride + (t & slot_mask) * token_stride + lane_offset;
 #pragma unroll
-        for (int n = 0; n < kNv; ++n) {
-          kr[u][n] = load16<T, kVec>(k_cache + row + n * kLanes * kVec);
-          vr[u][n] = load16<T, kVec>(v_cache + row + n * kLanes * kVec);
-        }
-      } else {
-#pragma unroll
-        for (int n = 0; n < kNv; ++n) {
-          memset(&kr[u][n], 0, sizeof(kr[u][n]));
-          memset(&vr[u][n], 0, sizeof(vr[u][n]));
-        }
+      for (int n = 0; n < kNv; ++n) {
+        kr[u][n] = load16(k_cache + row + n * kLanes * kVec);
+        vr[u][n] = load16(v_cache + row + n * kLanes * kVec);
       }
     }
     fetch_blocks(t0 + kWarpStride);
@@ -199,10 +212,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
     for (int u = 0; u < kSteps; ++u) {
       float kf[kE];
 #pragma unroll
-      for (int n = 0; n < kNv; ++n) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) kf[n * kVec + j] = to_float(kr[u][n].v[j]);
-      }
+      for (int n = 0; n < kNv; ++n) unpack16(kr[u][n], &kf[n * kVec], T{});
 #pragma unroll
       for (int h = 0; h < G; ++h) {
         float dot = 0.f;
@@ -248,10 +258,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
     for (int u = 0; u < kSteps; ++u) {
       float vf[kE];
 #pragma unroll
-      for (int n = 0; n < kNv; ++n) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) vf[n * kVec + j] = to_float(vr[u][n].v[j]);
-      }
+      for (int n = 0; n < kNv; ++n) unpack16(vr[u][n], &vf[n * kVec], T{});
 #pragma unroll
       for (int h = 0; h < G; ++h) {
 #pragma unroll

@@ -33,23 +33,36 @@ inline HeadGroups paged_head_groups(int num_q_heads, int num_kv_heads) {
   return g;
 }
 
-// Splits of each sequence's context (>= 1): as many as fill one wave of paged_ctas_per_sm CTAs
-// per SM (a second, partial wave would cost more than it hides), none shorter than
-// kPagedMinSplitTokens, all of the same whole number of blocks.
+// Splits of each sequence's context (>= 1). The CTAs run in waves of num_sms *
+// paged_ctas_per_sm; a partial last wave leaves SMs idle, so take the fewest splits whose waves
+// are >= 95% full (8 sequences x 8 kv heads on 132 SMs: 48 splits, one wave; 256 x 8: 3 splits,
+// 15.5 of 16 waves), else the fullest. No split shorter than kPagedMinSplitTokens; all splits
+// the same whole number of blocks.
 inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                                    int64_t block_size, int64_t max_blocks, int64_t num_sms) {
   if (batch <= 0 || num_kv_heads <= 0 || num_q_heads < num_kv_heads || block_size <= 0 ||
-      max_blocks <= 1) {
+      max_blocks <= 1 || num_sms <= 0) {
     return 1;
   }
   const HeadGroups g =
       paged_head_groups(static_cast<int>(num_q_heads), static_cast<int>(num_kv_heads));
   const int64_t ctas = batch * num_kv_heads * g.chunks;
-  int64_t splits = std::max<int64_t>(1, num_sms * paged_ctas_per_sm(g.padded) / ctas);
+  const int64_t slots = num_sms * paged_ctas_per_sm(g.padded);
   const int64_t min_blocks = std::max<int64_t>(1, kPagedMinSplitTokens / block_size);
-  splits = std::min(splits, (max_blocks + min_blocks - 1) / min_blocks);
-  const int64_t blocks_per_split = (max_blocks + splits - 1) / splits;
-  return static_cast<int>((max_blocks + blocks_per_split - 1) / blocks_per_split);
+  // Past slots / ctas + 20 splits every wave count is >= 20, so >= 95% full: no need to look.
+  const int64_t max_splits =
+      std::min((max_blocks + min_blocks - 1) / min_blocks, slots / ctas + 20);
+  int64_t best = 1, best_num = 0, best_den = 1;  // fullness of the best so far: num / den
+  for (int64_t splits = 1; splits <= max_splits; ++splits) {
+    const int64_t blocks_per_split = (max_blocks + splits - 1) / splits;
+    const int64_t used = (max_blocks + blocks_per_split - 1) / blocks_per_split;
+    if (used != splits) continue;  // rounding to whole blocks gives the same as fewer splits
+    const int64_t work = ctas * splits;
+    const int64_t capacity = (work + slots - 1) / slots * slots;
+    if (20 * work >= 19 * capacity) return static_cast<int>(splits);
+    if (work * best_den > best_num * capacity) best = splits, best_num = work, best_den = capacity;
+  }
+  return static_cast<int>(best);
 }
 
 // fp32 floats the split path needs: per (sequence, query head, split) a normalized partial
