@@ -362,9 +362,8 @@ __global__ void __launch_bounds__(kThreads) combine_splits_kernel(const PagedDec
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) o[j] = 0.f;
   if (splits > 0) {
-    const float2* stats = reinterpret_cast<const float2*>(
-                              a.workspace + static_cast<int64_t>(a.batch) * a.num_q_heads * a.num_splits * D) +
-                          row * a.num_splits;
+    const int64_t partial_floats = static_cast<int64_t>(a.batch) * a.num_q_heads * a.num_splits * D;
+    const float2* stats = reinterpret_cast<const float2*>(a.workspace + partial_floats) + row * a.num_splits;
     const float* partial = a.workspace + row * a.num_splits * D + lane * kPerLane;
     float max_all = kNegBig;
     for (int s = lane; s < splits; s += 32) max_all = fmaxf(max_all, stats[s].x);
@@ -418,7 +417,8 @@ cudaError_t launch(const PagedDecodeArgs& a, const Plan& plan, int padded_group,
   }
   if (a.num_splits > 1) {
     const int64_t rows = static_cast<int64_t>(a.batch) * a.num_q_heads;
-    combine_splits_kernel<T, D><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(a, plan);
+    const auto ctas_combine = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
+    combine_splits_kernel<T, D><<<ctas_combine, kThreads, 0, stream>>>(a, plan);
   }
   return cudaGetLastError();
 }
