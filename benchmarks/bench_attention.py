@@ -1,0 +1,175 @@
+"""W3: paged decode attention alone. bf16, 32 q / 8 kv heads, head_dim 128, block 16, every
+sequence of the batch at the full context, physical blocks shuffled. Side by side in one run:
+
+- pagedkv.ops.paged_decode_attention (CUDA graph replay, workspace preallocated);
+- the HF way: gather the blocks into dense K/V, then scaled_dot_product_attention;
+- dense SDPA on a contiguous cache (no gather): the bar for "paging costs nothing";
+- FlashInfer's BatchDecodeWithPagedKVCacheWrapper, when `flashinfer` imports (skipped otherwise).
+
+GB/s counts the K/V bytes read (B * context * kv_heads * head_dim * 2 bytes * 2), compared with
+the measured device-to-device copy bandwidth (timing.copy_bandwidth_gbs).
+
+    python benchmarks/bench_attention.py [--out DIR] [--device cuda|cpu] [--small]
+--small runs small sizes (the default on the CPU), to smoke-test the script without a GPU.
+Prints and saves bench_attention.md and bench_attention.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from report import markdown_table, save_bar_plot, save_table  # noqa: E402
+from timing import copy_bandwidth_gbs, median_time_us  # noqa: E402
+
+from pagedkv import ops  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+POINTS = [(1, 1024), (1, 8192), (1, 32768), (16, 4096), (64, 2048), (256, 1024)]  # batch, context
+SMALL_POINTS = [(1, 256), (1, 2048), (4, 512), (16, 128)]
+DTYPE = torch.bfloat16
+
+
+class FlashInferDecode:
+    """FlashInfer's paged decode over the same NHD caches and block table, or why it cannot run."""
+
+    def __init__(self, k_cache, v_cache, table, context, q):
+        self.reason = ""
+        try:
+            import flashinfer
+        except ImportError:
+            self.reason = "flashinfer not installed"
+            return
+        batch, max_blocks = table.shape
+        device = q.device
+        try:
+            self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(128 << 20, dtype=torch.uint8, device=device), "NHD"
+            )
+            self.wrapper.plan(
+                torch.arange(batch + 1, dtype=torch.int32, device=device) * max_blocks,
+                table.flatten(),
+                torch.full((batch,), (context - 1) % BLOCK_SIZE + 1, dtype=torch.int32, device=device),
+                NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+            )
+        except Exception as err:  # an API this script does not know: report, do not fail
+            self.reason = f"flashinfer {getattr(flashinfer, '__version__', '?')}: {type(err).__name__}: {err}"
+            return
+        self.caches, self.q = (k_cache, v_cache), q
+
+    def __call__(self):
+        return self.wrapper.run(self.q, self.caches)
+
+
+def time_us(fn, device) -> float:
+    try:
+        return median_time_us(fn, device)
+    except RuntimeError:  # not capturable in a CUDA graph: time plain launches instead
+        torch.cuda.synchronize()
+        return median_time_us(fn, device, graph=False)
+
+
+def bench_point(batch: int, context: int, device: str) -> dict:
+    max_blocks = context // BLOCK_SIZE
+    num_blocks = batch * max_blocks
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=DTYPE, device=device)
+    v_cache = torch.randn(shape, dtype=DTYPE, device=device)
+    table = torch.randperm(num_blocks, device=device).view(batch, max_blocks).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(q)
+    workspace = ops.paged_decode_workspace(q, k_cache, table)
+    table_long = table.long()
+
+    def pagedkv():
+        ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, out=out, workspace=workspace)
+
+    def gather(cache):  # [B, Hkv, context, D], as HF's paged path assembles K/V before SDPA
+        return cache[table_long].view(batch, max_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+
+    def gather_sdpa():
+        return F.scaled_dot_product_attention(q.unsqueeze(2), gather(k_cache), gather(v_cache),
+                                              scale=scale, enable_gqa=True)
+
+    k_dense, v_dense = gather(k_cache).contiguous(), gather(v_cache).contiguous()
+
+    def dense_sdpa():
+        return F.scaled_dot_product_attention(q.unsqueeze(2), k_dense, v_dense, scale=scale, enable_gqa=True)
+
+    row = {"point": f"{batch}x{context}", "splits": ops.paged_decode_num_splits(q, k_cache, table)}
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    pagedkv()
+    expected = dense_sdpa().squeeze(2)
+    row["max_diff"] = (out.float() - expected.float()).abs().max().item()
+    row["pagedkv_us"] = time_us(pagedkv, device)
+    row["gather_us"] = time_us(gather_sdpa, device)
+    row["dense_us"] = time_us(dense_sdpa, device)
+    row["flashinfer_us"] = None
+    if device == "cuda":
+        flashinfer = FlashInferDecode(k_cache, v_cache, table, context, q)
+        if flashinfer.reason:
+            row["flashinfer_note"] = flashinfer.reason
+        else:
+            fi_diff = (flashinfer().float() - expected.float()).abs().max().item()
+            row["flashinfer_us"] = time_us(flashinfer, device)
+            row["flashinfer_note"] = f"FlashInfer max abs diff vs dense SDPA {fi_diff:.3g}"
+    for name in ("pagedkv", "gather", "dense", "flashinfer"):
+        us = row[f"{name}_us"]
+        row[f"{name}_gbs"] = kv_bytes / (us * 1e-6) / 1e9 if us else None
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--small", action="store_true", help="small sizes (always on the CPU)")
+    args = parser.parse_args()
+    device = args.device
+    small = args.small or device == "cpu"
+    torch.manual_seed(0)
+
+    copy_gbs = copy_bandwidth_gbs(device, nbytes=(1 << 26) if small else (1 << 30))
+    rows, notes = [], []
+    for batch, context in SMALL_POINTS if small else POINTS:
+        r = bench_point(batch, context, device)
+        rows.append(r)
+        if r.get("flashinfer_note"):  # why it did not run (once), or its accuracy (per point)
+            notes.append(r["flashinfer_note"] if r["flashinfer_us"] is None else f"{r['point']}: {r['flashinfer_note']}")
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    def gbs(v):
+        return v if v is not None else "n/a"
+
+    header = ["batch x context", "splits", "pagedkv us", "pagedkv GB/s", "% of copy BW",
+              "gather+SDPA us", "gather+SDPA GB/s", "dense SDPA GB/s", "FlashInfer GB/s",
+              "speed-up vs gather+SDPA", "max abs diff vs SDPA"]
+    table_rows = [[r["point"], r["splits"], r["pagedkv_us"], r["pagedkv_gbs"], 100 * r["pagedkv_gbs"] / copy_gbs,
+                   r["gather_us"], r["gather_gbs"], r["dense_gbs"], gbs(r["flashinfer_gbs"]),
+                   r["gather_us"] / r["pagedkv_us"], r["max_diff"]] for r in rows]
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    title = (f"W3 paged decode attention, {str(DTYPE).removeprefix('torch.')}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, "
+             f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, {name}; copy bandwidth {copy_gbs:.0f} GB/s")
+    text = markdown_table(header, table_rows)
+    if notes:
+        text += "\n\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes))
+    save_table(args.out, "bench_attention", title, text)
+    series = {"pagedkv": [r["pagedkv_gbs"] for r in rows], "gather+SDPA": [r["gather_gbs"] for r in rows],
+              "dense SDPA": [r["dense_gbs"] for r in rows]}
+    if any(r["flashinfer_gbs"] for r in rows):
+        series["FlashInfer"] = [r["flashinfer_gbs"] or 0.0 for r in rows]
+    plot_title = f"W3 paged decode attention, {name}; copy bandwidth {copy_gbs:.0f} GB/s"
+    save_bar_plot(args.out, "bench_attention", plot_title, [r["point"] for r in rows], series, "GB/s of K/V read")
+
+
+if __name__ == "__main__":
+    main()

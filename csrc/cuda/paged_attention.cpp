@@ -1,0 +1,92 @@
+// CUDA launcher of paged_decode_attention: check, choose the split count from shapes, guard the
+// device, launch on the current stream. The kernels live in csrc/kernels/paged_attention.cu.
+#include <array>
+#include <atomic>
+
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include "attention_checks.h"
+#include "cuda/torch_utils.h"
+#include "kernels/paged_attention.h"
+
+namespace pagedkv {
+namespace {
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Read once per device, then cached: a driver query per call would cost more than the launch.
+int sm_count(int device) {
+  static std::array<std::atomic<int>, 64> cache{};  // 0: not read yet
+  int n = device >= 0 && device < 64 ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    if (device >= 0 && device < 64) cache[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// The automatic split count: shapes and the SM count only, never context_lens.
+int64_t auto_num_splits(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& block_tables) {
+  const int num_sms = sm_count(q.device().index());
+  return kernels::paged_decode_num_splits(q.size(0), q.size(1), k_cache.size(2), k_cache.size(1),
+                                          block_tables.size(1), num_sms);
+}
+
+}  // namespace
+
+void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& context_lens, double scale,
+                                 at::Tensor& workspace, int64_t num_splits) {
+  check_paged_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, workspace,
+                          num_splits);
+  check_cuda(q, "q");
+  const int64_t elem = q.element_size();
+  TORCH_CHECK(aligned16(q.const_data_ptr()) && aligned16(out.const_data_ptr()) &&
+                  (q.stride(0) * elem) % 16 == 0 && (q.stride(1) * elem) % 16 == 0 &&
+                  (out.stride(0) * elem) % 16 == 0 && (out.stride(1) * elem) % 16 == 0,
+              "pagedkv: q and out rows must start at 16-byte boundaries (strides ", q.strides(),
+              " and ", out.strides(), "); call .contiguous() first");
+  TORCH_CHECK(aligned16(k_cache.const_data_ptr()) && aligned16(v_cache.const_data_ptr()),
+              "pagedkv: k_cache and v_cache must start at 16-byte boundaries");
+  const c10::cuda::CUDAGuard guard(q.device());
+  if (num_splits == 0) num_splits = auto_num_splits(q, k_cache, block_tables);
+  const int64_t needed =
+      kernels::paged_decode_workspace_floats(q.size(0), q.size(1), q.size(2), num_splits);
+  TORCH_CHECK(workspace.numel() >= needed, "pagedkv: workspace has ", workspace.numel(),
+              " floats but ", num_splits, " splits need ", needed,
+              "; allocate it with pagedkv.ops.paged_decode_workspace(q, k_cache, block_tables)");
+  TORCH_CHECK(needed == 0 || aligned16(workspace.const_data_ptr()),
+              "pagedkv: workspace must start at a 16-byte boundary");
+
+  kernels::PagedDecodeArgs args{};
+  args.out = out.data_ptr();
+  args.q = q.const_data_ptr();
+  args.k_cache = k_cache.const_data_ptr();
+  args.v_cache = v_cache.const_data_ptr();
+  args.block_tables = block_tables.const_data_ptr<int>();
+  args.context_lens = context_lens.const_data_ptr<int>();
+  args.workspace = needed > 0 ? workspace.data_ptr<float>() : nullptr;
+  args.out_stride_b = out.stride(0);
+  args.out_stride_h = out.stride(1);
+  args.q_stride_b = q.stride(0);
+  args.q_stride_h = q.stride(1);
+  args.batch = static_cast<int>(q.size(0));
+  args.num_q_heads = static_cast<int>(q.size(1));
+  args.num_kv_heads = static_cast<int>(k_cache.size(2));
+  args.head_dim = static_cast<int>(q.size(2));
+  args.block_size = static_cast<int>(k_cache.size(1));
+  args.max_blocks = static_cast<int>(block_tables.size(1));
+  args.num_splits = static_cast<int>(num_splits);
+  args.scale = static_cast<float>(scale);
+  C10_CUDA_CHECK(kernels::paged_decode_attention(args, kernel_dtype(q),
+                                                 c10::cuda::getCurrentCUDAStream()));
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention_cuda);
+}
+
+}  // namespace pagedkv

@@ -1,0 +1,457 @@
+// Paged decode attention. One thread block (CTA) per (sequence, kv head, split, head chunk); it
+// serves all query heads of that kv head (GQA: each K/V row is read once for the whole group).
+//
+// Inside a CTA, 4 warps take turns over the split's tokens. A token row of one kv head
+// (head_dim elements) is read by kLanes lanes with 16-byte loads, so a warp reads
+// 32 / kLanes tokens side by side and kSteps of those per iteration: every lane has kSteps K
+// and kSteps V loads in flight before it computes. Each lane keeps the scaled query slice of every
+// head of the group and an fp32 online softmax (max, sum, output slice) for the tokens its lane
+// group saw; at the end the lane groups merge by shuffles, the warps through shared memory.
+// Scores are kept in log2 units (the query is pre-scaled by scale * log2(e)), so exp2f suffices.
+//
+// With num_splits > 1 each CTA writes its normalized partial output and (max, sum) to the
+// workspace, and a second kernel merges the splits of each (sequence, query head).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/common.cuh"
+#include "kernels/paged_attention.h"
+
+namespace pagedkv::kernels {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegBig = -1e30f;    // "no token yet": finite, so exp2f(kNegBig - x) is 0, not NaN
+
+// How lanes share the work of one token row for element type T and head dim D, GQA group G.
+template <typename T, int D, int G>
+struct Tile {
+  static constexpr int kVec = 16 / sizeof(T);                       // elements per 16-byte load
+  static constexpr int kLanes = D / kVec < 32 ? D / kVec : 32;      // lanes per token row
+  static constexpr int kVecsPerLane = D / (kVec * kLanes);          // 16-byte loads per row, lane
+  static constexpr int kElems = kVecsPerLane * kVec;                // head_dim elements per lane
+  static constexpr int kTokensSideBySide = 32 / kLanes;             // tokens per warp load
+  // Loads in flight per lane: 4 K + 4 V rows; halved when the group's registers are large.
+  static constexpr int kSteps = std::max(1, (G >= 8 ? 2 : 4) / kVecsPerLane);
+  static constexpr int kTokensPerIter = kTokensSideBySide * kSteps;  // per warp
+  static_assert(D % (kVec * kLanes) == 0, "head_dim must be a multiple of 16 bytes x lanes");
+};
+
+// What the kernels need beyond PagedDecodeArgs, computed on the host.
+struct Plan {
+  int group_size;        // num_q_heads / num_kv_heads
+  int head_chunks;       // CTAs that split one kv head's group of query heads
+  int chunk_heads;       // query heads per chunk (the last chunk may have fewer)
+  int block_shift;       // log2(block_size)
+  int tokens_per_split;  // a multiple of block_size
+  int max_tokens;        // max_blocks * block_size: context_lens are clamped to it
+};
+
+__device__ __forceinline__ uint4 load16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// 16 loaded bytes -> 16 / sizeof(T) floats. bf16 is the top half of an fp32, so one shift or
+// mask per element (going through __nv_bfloat16 values costs ~3 instructions per element).
+__device__ __forceinline__ void unpack16(const uint4& raw, float* f, __nv_bfloat16) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void unpack16(const uint4& raw, float* f, __half) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2 h;
+    memcpy(&h, &w[i], 4);
+    const float2 x = __half22float2(h);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void unpack16(const uint4& raw, float* f, float) {
+  f[0] = __uint_as_float(raw.x);
+  f[1] = __uint_as_float(raw.y);
+  f[2] = __uint_as_float(raw.z);
+  f[3] = __uint_as_float(raw.w);
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+__device__ __forceinline__ int clamp_context(const int* context_lens, int b, int max_tokens) {
+  return min(max(context_lens[b], 0), max_tokens);
+}
+
+// Four consecutive outputs of one head: to T in `out`, or fp32 partials in the workspace.
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, const float (&o)[4]) {
+  Vec<T, 4> v;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v.v[j] = from_float<T>(o[j]);
+  *reinterpret_cast<Vec<T, 4>*>(dst) = v;
+}
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kThreads, paged_ctas_per_sm(G))
+paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
+  using Tl = Tile<T, D, G>;
+  constexpr int kVec = Tl::kVec, kLanes = Tl::kLanes, kNv = Tl::kVecsPerLane, kE = Tl::kElems;
+  constexpr int kSide = Tl::kTokensSideBySide, kSteps = Tl::kSteps;
+
+  // blockIdx.x = ((b * num_kv_heads + kv_head) * num_splits + split) * head_chunks + chunk:
+  // the CTAs that read the same K/V rows are neighbours (L2 serves the other head chunks).
+  int idx = blockIdx.x;
+  const int chunk = idx % plan.head_chunks;
+  idx /= plan.head_chunks;
+  const int split = idx % a.num_splits;
+  idx /= a.num_splits;
+  const int kv_head = idx % a.num_kv_heads;
+  const int b = idx / a.num_kv_heads;
+
+  const int ctx = clamp_context(a.context_lens, b, plan.max_tokens);
+  const int begin = split * plan.tokens_per_split;
+  const int end = min(begin + plan.tokens_per_split, ctx);
+  const int head0 = kv_head * plan.group_size + chunk * plan.chunk_heads;  // first query head
+  const int heads = min(plan.chunk_heads, plan.group_size - chunk * plan.chunk_heads);
+
+  T* out = static_cast<T*>(a.out) + b * a.out_stride_b + head0 * a.out_stride_h;
+  if (begin >= end) {
+    // Nothing to read. Without splits this is a padding row (context 0): write zeros. With
+    // splits the combine kernel skips this split (and writes the zeros of a padding row).
+    if (a.num_splits == 1) {
+      const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int i = threadIdx.x; i < heads * (D / 4); i += kThreads) {
+        store4(out + (i / (D / 4)) * a.out_stride_h + (i % (D / 4)) * 4, zero);
+      }
+    }
+    return;
+  }
+
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int side = lane / kLanes;  // which of the side-by-side tokens this lane reads
+  const int sub = lane % kLanes;   // which slice of head_dim: vectors sub, sub + kLanes, ...
+
+  // Query slices, pre-scaled so that q.k is the score in log2 units. Heads past `heads` (the
+  // group padded up to G) get zeros and are never written.
+  float q[G][kE];
+  const float q_scale = a.scale * kLog2e;
+  const T* q_base = static_cast<const T*>(a.q) + b * a.q_stride_b + head0 * a.q_stride_h;
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int n = 0; n < kNv; ++n) {
+      const uint4 raw = h < heads ? load16(q_base + h * a.q_stride_h + (n * kLanes + sub) * kVec)
+                                  : make_uint4(0, 0, 0, 0);
+      unpack16(raw, &q[h][n * kVec], T{});
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) q[h][n * kVec + j] *= q_scale;
+    }
+  }
+
+  float m[G], l[G], acc[G][kE];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = kNegBig;
+    l[h] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) acc[h][e] = 0.f;
+  }
+
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  const int* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
+  const int64_t token_stride = static_cast<int64_t>(a.num_kv_heads) * D;  // between block slots
+  const int64_t block_stride = token_stride << plan.block_shift;
+  const int64_t lane_offset = static_cast<int64_t>(kv_head) * D + sub * kVec;
+  const int slot_mask = (1 << plan.block_shift) - 1;
+  constexpr int kWarpStride = kWarps * Tl::kTokensPerIter;
+
+  // Physical blocks of this lane's tokens, fetched one iteration ahead. A lane past the end reads
+  // the last token again instead (no branch around its loads; its score is masked): table
+  // entries past the context are never read.
+  int phys[kSteps];
+  auto fetch_blocks = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int t = min(base + u * kSide + side, end - 1);
+      phys[u] = __ldg(table + (t >> plan.block_shift));
+    }
+  };
+  int t0 = begin + warp * Tl::kTokensPerIter;
+  fetch_blocks(t0);
+
+  for (; t0 < end; t0 += kWarpStride) {  // t0 is warp-uniform: shuffles below see all lanes
+    uint4 kr[kSteps][kNv], vr[kSteps][kNv];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int t = min(t0 + u * kSide + side, end - 1);
+      const int64_t row = phys[u] * block_stride + (t & slot_mask) * token_stride + lane_offset;
+#pragma unroll
+      for (int n = 0; n < kNv; ++n) {
+        kr[u][n] = load16(k_cache + row + n * kLanes * kVec);
+        vr[u][n] = load16(v_cache + row + n * kLanes * kVec);
+      }
+    }
+    fetch_blocks(t0 + kWarpStride);
+
+    // Scores: partial dot products over this lane's slice, summed over the kLanes lanes of the
+    // token (xor offsets below kLanes stay inside the lane group).
+    float s[kSteps][G];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      float kf[kE];
+#pragma unroll
+      for (int n = 0; n < kNv; ++n) unpack16(kr[u][n], &kf[n * kVec], T{});
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < kE; ++e) dot = fmaf(q[h][e], kf[e], dot);
+        s[u][h] = dot;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+#pragma unroll
+        for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
+          s[u][h] += __shfl_xor_sync(0xffffffffu, s[u][h], offset);
+        }
+      }
+    }
+
+    // Online softmax: new running max, rescale what was accumulated, add this iteration.
+    bool valid[kSteps];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) valid[u] = t0 + u * kSide + side < end;
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float new_max = m[h];
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u) {
+        if (valid[u]) new_max = fmaxf(new_max, s[u][h]);
+      }
+      const float alpha = exp2f(m[h] - new_max);
+      m[h] = new_max;
+      l[h] *= alpha;
+#pragma unroll
+      for (int e = 0; e < kE; ++e) acc[h][e] *= alpha;
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u) {
+        s[u][h] = valid[u] ? exp2f(s[u][h] - new_max) : 0.f;  // now the probability weight
+        l[h] += s[u][h];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      float vf[kE];
+#pragma unroll
+      for (int n = 0; n < kNv; ++n) unpack16(vr[u][n], &vf[n * kVec], T{});
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+#pragma unroll
+        for (int e = 0; e < kE; ++e) acc[h][e] = fmaf(s[u][h], vf[e], acc[h][e]);
+      }
+    }
+  }
+
+  // Merge the side-by-side lane groups of the warp (they hold the same head_dim slices).
+#pragma unroll
+  for (int offset = kLanes; offset < 32; offset <<= 1) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, m[h], offset);
+      const float l_other = __shfl_xor_sync(0xffffffffu, l[h], offset);
+      const float new_max = fmaxf(m[h], m_other);
+      const float mine = exp2f(m[h] - new_max);
+      const float theirs = exp2f(m_other - new_max);
+      l[h] = l[h] * mine + l_other * theirs;
+      m[h] = new_max;
+#pragma unroll
+      for (int e = 0; e < kE; ++e) {
+        const float other = __shfl_xor_sync(0xffffffffu, acc[h][e], offset);
+        acc[h][e] = acc[h][e] * mine + other * theirs;
+      }
+    }
+  }
+
+  // Merge the warps through shared memory; then each thread finishes 4 outputs of one head.
+  __shared__ __align__(16) float s_acc[kWarps][G][D];
+  __shared__ float s_max[kWarps][G];
+  __shared__ float s_sum[kWarps][G];
+  if (side == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+#pragma unroll
+      for (int n = 0; n < kNv; ++n) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s_acc[warp][h][(n * kLanes + sub) * kVec + j] = acc[h][n * kVec + j];
+      }
+      if (sub == 0) {
+        s_max[warp][h] = m[h];
+        s_sum[warp][h] = l[h];
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < heads * (D / 4); i += kThreads) {
+    const int h = i / (D / 4);
+    const int d = (i % (D / 4)) * 4;
+    float max_all = kNegBig;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) max_all = fmaxf(max_all, s_max[w][h]);
+    float sum = 0.f;
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = exp2f(s_max[w][h] - max_all);  // 0 for a warp that saw no token
+      sum += weight * s_sum[w][h];
+      const float4 x = *reinterpret_cast<const float4*>(&s_acc[w][h][d]);
+      o[0] += weight * x.x;
+      o[1] += weight * x.y;
+      o[2] += weight * x.z;
+      o[3] += weight * x.w;
+    }
+    const float inv = 1.f / sum;  // sum >= 1: the split holds at least one token
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] *= inv;
+    if (a.num_splits == 1) {
+      store4(out + h * a.out_stride_h + d, o);
+    } else {
+      // Workspace: partial outputs [batch, num_q_heads, num_splits, D], then (max, sum) pairs
+      // [batch, num_q_heads, num_splits].
+      const int64_t row = (static_cast<int64_t>(b) * a.num_q_heads + head0 + h) * a.num_splits + split;
+      store4(a.workspace + row * D + d, o);
+      if (d == 0) {
+        float2* stats = reinterpret_cast<float2*>(
+            a.workspace + static_cast<int64_t>(a.batch) * a.num_q_heads * a.num_splits * D);
+        stats[row] = make_float2(max_all, sum);
+      }
+    }
+  }
+}
+
+// One warp per (sequence, query head): weights each split's normalized partial output by
+// its share of the softmax sum. Splits past the sequence's context were never written.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) combine_splits_kernel(const PagedDecodeArgs a, const Plan plan) {
+  constexpr int kPerLane = D / 32;  // 2, 4 or 8 consecutive outputs
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (row >= static_cast<int64_t>(a.batch) * a.num_q_heads) return;  // warp-uniform
+  const int b = static_cast<int>(row / a.num_q_heads);
+  const int h = static_cast<int>(row % a.num_q_heads);
+  T* out = static_cast<T*>(a.out) + b * a.out_stride_b + h * a.out_stride_h + lane * kPerLane;
+
+  const int ctx = clamp_context(a.context_lens, b, plan.max_tokens);
+  const int splits = (ctx + plan.tokens_per_split - 1) / plan.tokens_per_split;
+  float o[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) o[j] = 0.f;
+  if (splits > 0) {
+    const int64_t partial_floats = static_cast<int64_t>(a.batch) * a.num_q_heads * a.num_splits * D;
+    const float2* stats = reinterpret_cast<const float2*>(a.workspace + partial_floats) + row * a.num_splits;
+    const float* partial = a.workspace + row * a.num_splits * D + lane * kPerLane;
+    float max_all = kNegBig;
+    for (int s = lane; s < splits; s += 32) max_all = fmaxf(max_all, stats[s].x);
+    max_all = warp_max(max_all);
+    float sum = 0.f;
+    for (int s = lane; s < splits; s += 32) sum += exp2f(stats[s].x - max_all) * stats[s].y;
+    sum = warp_sum(sum);
+    const float inv = 1.f / sum;
+    for (int s = 0; s < splits; ++s) {
+      const float2 st = stats[s];
+      const float weight = exp2f(st.x - max_all) * st.y * inv;
+#pragma unroll
+      for (int j = 0; j < kPerLane; j += 2) {
+        const float2 x = *reinterpret_cast<const float2*>(partial + static_cast<int64_t>(s) * D + j);
+        o[j] = fmaf(weight, x.x, o[j]);
+        o[j + 1] = fmaf(weight, x.y, o[j + 1]);
+      }
+    }
+  }
+  Vec<T, kPerLane> v;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) v.v[j] = from_float<T>(o[j]);
+  if constexpr (sizeof(v) <= 16) {
+    *reinterpret_cast<Vec<T, kPerLane>*>(out) = v;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) out[j] = v.v[j];
+  }
+}
+
+int log2_exact(int x) {
+  int shift = 0;
+  while ((1 << shift) < x) ++shift;
+  return shift;
+}
+
+template <typename T, int D, int G>
+void launch_main(const PagedDecodeArgs& a, const Plan& plan, int64_t ctas, cudaStream_t stream) {
+  paged_decode_kernel<T, D, G><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a, plan);
+}
+
+template <typename T, int D>
+cudaError_t launch(const PagedDecodeArgs& a, const Plan& plan, int padded_group, int64_t ctas,
+                   cudaStream_t stream) {
+  switch (padded_group) {
+    case 1: launch_main<T, D, 1>(a, plan, ctas, stream); break;
+    case 2: launch_main<T, D, 2>(a, plan, ctas, stream); break;
+    case 4: launch_main<T, D, 4>(a, plan, ctas, stream); break;
+    case 8: launch_main<T, D, 8>(a, plan, ctas, stream); break;
+    default: return cudaErrorInvalidValue;
+  }
+  if (a.num_splits > 1) {
+    const int64_t rows = static_cast<int64_t>(a.batch) * a.num_q_heads;
+    const auto ctas_combine = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
+    combine_splits_kernel<T, D><<<ctas_combine, kThreads, 0, stream>>>(a, plan);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t paged_decode_attention(const PagedDecodeArgs& a, DType dtype, cudaStream_t stream) {
+  if (a.batch == 0 || a.num_q_heads == 0) return cudaSuccess;
+  if (a.num_splits < 1 || a.max_blocks < 1 || a.num_kv_heads < 1 ||
+      a.num_q_heads % a.num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const HeadGroups g = paged_head_groups(a.num_q_heads, a.num_kv_heads);
+  const int blocks_per_split = (a.max_blocks + a.num_splits - 1) / a.num_splits;
+  Plan plan;
+  plan.group_size = g.group_size;
+  plan.head_chunks = g.chunks;
+  plan.chunk_heads = g.chunk_heads;
+  plan.block_shift = log2_exact(a.block_size);
+  plan.tokens_per_split = blocks_per_split * a.block_size;
+  plan.max_tokens = a.max_blocks * a.block_size;
+  const int64_t ctas = static_cast<int64_t>(a.batch) * a.num_kv_heads * a.num_splits * g.chunks;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    switch (a.head_dim) {
+      case 64: return launch<T, 64>(a, plan, g.padded, ctas, stream);
+      case 128: return launch<T, 128>(a, plan, g.padded, ctas, stream);
+      case 256: return launch<T, 256>(a, plan, g.padded, ctas, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  });
+}
+
+}  // namespace pagedkv::kernels

@@ -1,0 +1,75 @@
+// Host-side planning of paged decode attention, from shapes only (never from context_lens, so
+// one plan holds for a whole CUDA graph bucket). Plain C++ (no CUDA, no torch): the CPU build
+// compiles it too, so the split heuristic is tested without a GPU.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+namespace pagedkv::kernels {
+
+inline constexpr int kPagedMaxGroup = 8;     // query heads one CTA serves; larger groups chunked
+inline constexpr int kPagedMinSplitTokens = 64;  // below this, partial writes outweigh the gain
+
+// CTAs of 128 threads resident per SM: the kernel's launch bounds hold its registers to this
+// (65536 / (128 * n) per thread: 128, 170, 255), and the split heuristic plans one wave of them.
+// Each query head of the group costs a lane 2 x 8 fp32 registers (query and output slices).
+constexpr int paged_ctas_per_sm(int padded_group) {
+  return padded_group >= 8 ? 2 : padded_group >= 4 ? 3 : 4;
+}
+
+// How a kv head's group of query heads is cut into CTAs: `chunks` CTAs of at most
+// `chunk_heads` heads, each compiled for `padded` (chunk_heads rounded up to 1, 2, 4 or 8).
+struct HeadGroups {
+  int group_size, chunks, chunk_heads, padded;
+};
+
+inline HeadGroups paged_head_groups(int num_q_heads, int num_kv_heads) {
+  HeadGroups g{};
+  g.group_size = num_q_heads / num_kv_heads;
+  g.chunks = (g.group_size + kPagedMaxGroup - 1) / kPagedMaxGroup;
+  g.chunk_heads = (g.group_size + g.chunks - 1) / g.chunks;
+  g.padded = 1;
+  while (g.padded < g.chunk_heads) g.padded *= 2;
+  return g;
+}
+
+// Splits of each sequence's context (>= 1). The CTAs run in waves of num_sms *
+// paged_ctas_per_sm; a partial last wave leaves SMs idle, so take the fewest splits whose waves
+// are >= 95% full (8 sequences x 8 kv heads on 132 SMs: 48 splits, one wave; 256 x 8: 3 splits,
+// 15.5 of 16 waves), else the fullest. No split shorter than kPagedMinSplitTokens; all splits
+// the same whole number of blocks.
+inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                                   int64_t block_size, int64_t max_blocks, int64_t num_sms) {
+  if (batch <= 0 || num_kv_heads <= 0 || num_q_heads < num_kv_heads || block_size <= 0 ||
+      max_blocks <= 1 || num_sms <= 0) {
+    return 1;
+  }
+  const HeadGroups g =
+      paged_head_groups(static_cast<int>(num_q_heads), static_cast<int>(num_kv_heads));
+  const int64_t ctas = batch * num_kv_heads * g.chunks;
+  const int64_t slots = num_sms * paged_ctas_per_sm(g.padded);
+  const int64_t min_blocks = std::max<int64_t>(1, kPagedMinSplitTokens / block_size);
+  // Past slots / ctas + 20 splits every wave count is >= 20, so >= 95% full: no need to look.
+  const int64_t max_splits =
+      std::min((max_blocks + min_blocks - 1) / min_blocks, slots / ctas + 20);
+  int64_t best = 1, best_num = 0, best_den = 1;  // fullness of the best so far: num / den
+  for (int64_t splits = 1; splits <= max_splits; ++splits) {
+    const int64_t blocks_per_split = (max_blocks + splits - 1) / splits;
+    const int64_t used = (max_blocks + blocks_per_split - 1) / blocks_per_split;
+    if (used != splits) continue;  // rounding to whole blocks gives the same as fewer splits
+    const int64_t work = ctas * splits;
+    const int64_t capacity = (work + slots - 1) / slots * slots;
+    if (20 * work >= 19 * capacity) return static_cast<int>(splits);
+    if (work * best_den > best_num * capacity) best = splits, best_num = work, best_den = capacity;
+  }
+  return static_cast<int>(best);
+}
+
+// fp32 floats the split path needs: per (sequence, query head, split) a normalized partial
+// output [head_dim] and its softmax (max, sum). Zero without splits.
+inline int64_t paged_decode_workspace_floats(int64_t batch, int64_t num_q_heads,
+                                             int64_t head_dim, int64_t num_splits) {
+  return num_splits <= 1 ? 0 : batch * num_q_heads * num_splits * (head_dim + 2);
+}
+
+}  // namespace pagedkv::kernels

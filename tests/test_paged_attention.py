@@ -1,0 +1,322 @@
+"""paged_decode_attention against a plain-PyTorch reference that walks the block table.
+
+Random data everywhere, outputs (and the split workspace) poisoned with NaN before the op runs,
+physical blocks shuffled, table entries past each sequence's blocks set to an index that would
+fault if read. The CPU runs a representative subset of the grid (one axis varied at a time); the
+`cuda` variants run all of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICES
+from pagedkv import ops
+from tolerance import assert_close_to_baseline
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128, 256]
+# (q heads, kv heads): MHA, GQA 4, GQA 7 (Qwen2.5), MQA 8, GQA 16 (two CTAs per kv head).
+HEADS = [(4, 4), (8, 2), (14, 2), (8, 1), (32, 2)]
+BLOCK_SIZES = [8, 16, 32, 128]
+BASE = (torch.bfloat16, 128, (8, 2), 16)  # the CPU subset varies one axis of this at a time
+NEVER_READ = 2**30  # table entries past a sequence's blocks: out of range, so a read would fault
+
+
+def _case_id(value) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, tuple):
+        return f"q{value[0]}kv{value[1]}"
+    if isinstance(value, list):
+        return "ctx" + "_".join(map(str, value))
+    return str(value)
+
+
+def _device_params(cases, cpu_cases):
+    """pytest params over DEVICES: cpu_cases on the CPU, cases (marked cuda) on the GPU."""
+    params = []
+    for device in DEVICES:
+        name = device if isinstance(device, str) else device.values[0]
+        marks = () if isinstance(device, str) else device.marks
+        for case in cpu_cases if name == "cpu" else cases:
+            case_id = "-".join(_case_id(v) for v in (name, *case))
+            params.append(pytest.param(name, *case, marks=marks, id=case_id))
+    return params
+
+
+CASES = list(itertools.product(DTYPES, HEAD_DIMS, HEADS, BLOCK_SIZES))
+CPU_CASES = [c for c in CASES if sum(x != b for x, b in zip(c, BASE)) <= 1]
+
+
+def context_lens_for(block_size: int) -> list[int]:
+    """Ragged: 1 token, exactly a block, a block + 1, a few blocks less one, a few hundred."""
+    return [1, block_size, block_size + 1, 3 * block_size - 1, 517]
+
+
+def shuffled_table(context_lens, block_size, num_blocks, max_blocks):
+    """[B, max_blocks] int32: each sequence's blocks drawn at random from the pool, the entries
+    past them set to NEVER_READ."""
+    blocks = [math.ceil(n / block_size) for n in context_lens]
+    physical = torch.randperm(num_blocks, dtype=torch.int32)[: sum(blocks)]
+    table = torch.full((len(context_lens), max_blocks), NEVER_READ, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = physical[used : used + n]
+        used += n
+    return table
+
+
+def make_paged_cache(context_lens, num_kv_heads, head_dim, block_size, dtype, device, extra_cols=2):
+    """Random K/V caches [num_blocks, block_size, Hkv, D] (spare blocks included), a shuffled
+    block table with extra_cols unused columns, and the context lengths."""
+    blocks = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(blocks) + 3
+    table = shuffled_table(context_lens, block_size, num_blocks, max(blocks, default=0) + extra_cols)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return k_cache, v_cache, table.to(device), lens
+
+
+def reference_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, dtype):
+    """Walks each sequence's block table, gathers its K/V rows and runs softmax attention in
+    `dtype` (softmax in fp32 at least, as HF's eager attention). Padding rows give zeros."""
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    softmax_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    out = torch.zeros(batch, num_q_heads, head_dim, dtype=dtype, device=q.device)
+    for b in range(batch):
+        n = int(context_lens[b])
+        if n == 0:
+            continue
+        blocks = block_tables[b, : math.ceil(n / block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].to(dtype)  # [n, Hkv, D]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].to(dtype)
+        qb = q[b].to(dtype).view(num_kv_heads, group, head_dim)
+        scores = torch.einsum("kgd,nkd->kgn", qb, k) * scale
+        p = torch.softmax(scores.to(softmax_dtype), dim=-1).to(dtype)
+        out[b] = torch.einsum("kgn,nkd->kgd", p, v).reshape(num_q_heads, head_dim)
+    return out
+
+
+def run_and_check(q, k_cache, v_cache, table, lens, num_splits=0, out=None):
+    scale = q.shape[-1] ** -0.5
+    out = torch.full_like(q, float("nan")) if out is None else out.fill_(float("nan"))
+    workspace = ops.paged_decode_workspace(q, k_cache, table, num_splits).fill_(float("nan"))
+    ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, out=out,
+                               workspace=workspace, num_splits=num_splits)
+    args = (q, k_cache, v_cache, table, lens, scale)
+    assert_close_to_baseline(
+        out,
+        baseline=reference_paged_decode(*args, dtype=q.dtype),
+        reference=reference_paged_decode(*args, dtype=torch.float64),
+    )
+    return out
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, heads, block_size", _device_params(CASES, CPU_CASES))
+def test_paged_decode_attention(device, dtype, head_dim, heads, block_size):
+    num_q_heads, num_kv_heads = heads
+    lens = context_lens_for(block_size)
+    k_cache, v_cache, table, lens = make_paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, device)
+    q = torch.randn(len(lens), num_q_heads, head_dim, dtype=dtype, device=device)
+    run_and_check(q, k_cache, v_cache, table, lens)
+
+
+LONG_CPU = [(torch.bfloat16, [8200, 3000])]
+LONG_CUDA = [(dtype, [8200, 32768 + 5, 1]) for dtype in DTYPES] + [(torch.bfloat16, [131072, 100])]
+
+
+@pytest.mark.parametrize("device, dtype, context_lens", _device_params(LONG_CUDA, LONG_CPU))
+def test_long_context(device, dtype, context_lens):
+    k_cache, v_cache, table, lens = make_paged_cache(context_lens, 2, 128, 16, dtype, device)
+    q = torch.randn(len(context_lens), 8, 128, dtype=dtype, device=device)
+    run_and_check(q, k_cache, v_cache, table, lens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_rows_write_zeros(device):
+    """context_len 0 marks a padding row of a CUDA-graph bucket: zeros out, nothing read (its
+    whole table row holds the never-read index)."""
+    k_cache, v_cache, table, lens = make_paged_cache([0, 40, 0, 1], 2, 64, 16, torch.float16, device)
+    q = torch.randn(4, 8, 64, dtype=torch.float16, device=device)
+    out = run_and_check(q, k_cache, v_cache, table, lens)
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_q_and_out(device):
+    """q as a view into a fused QKV projection output, out as a view into a wider buffer."""
+    num_q_heads, num_kv_heads, head_dim = 8, 2, 128
+    k_cache, v_cache, table, lens = make_paged_cache([33, 100], num_kv_heads, head_dim, 16, torch.bfloat16, device)
+    qkv = torch.randn(2, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=torch.bfloat16, device=device)
+    q = qkv[:, : num_q_heads * head_dim].view(2, num_q_heads, head_dim)
+    out = torch.empty(2, num_q_heads + 3, head_dim, dtype=torch.bfloat16, device=device)[:, 1 : 1 + num_q_heads]
+    assert not q.is_contiguous() and not out.is_contiguous()
+    run_and_check(q, k_cache, v_cache, table, lens, out=out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16, 64, 1000])
+def test_split_and_no_split_paths_agree(num_splits):
+    """Forced split counts (beyond the blocks of the longest sequence included) match the
+    reference and the single-pass result."""
+    k_cache, v_cache, table, lens = make_paged_cache([1, 16, 17, 700, 2500], 2, 128, 16, torch.bfloat16, "cuda")
+    q = torch.randn(5, 8, 128, dtype=torch.bfloat16, device="cuda")
+    single = run_and_check(q, k_cache, v_cache, table, lens, num_splits=1)
+    split = run_and_check(q, k_cache, v_cache, table, lens, num_splits=num_splits)
+    torch.testing.assert_close(split, single, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_and_replay():
+    """Captured once with static buffers; new queries, tables and lengths (a padding row
+    included) are copied in and the graph replayed, as a decode step would."""
+    device, dtype, block_size, max_blocks = "cuda", torch.bfloat16, 16, 256
+    shape = (4 * max_blocks, block_size, 8, 128)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    q = torch.randn(4, 32, 128, dtype=dtype, device=device)
+    table = torch.zeros(4, max_blocks, dtype=torch.int32, device=device)
+    lens = torch.zeros(4, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    workspace = ops.paged_decode_workspace(q, k_cache, table)
+    assert workspace.numel() > 0, "expected the split path for 4 sequences x 8 kv heads"
+    scale = 128**-0.5
+
+    def step():
+        ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, out=out, workspace=workspace)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the graph (all rows padding)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for new_lens in ([300, 4000, 20, 9], [3000, 1, 0, 4096], [16, 17, 4095, 0]):
+        q.copy_(torch.randn_like(q))
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        table.copy_(shuffled_table(new_lens, block_size, shape[0], max_blocks))
+        out.fill_(float("nan"))
+        graph.replay()
+        args = (q, k_cache, v_cache, table, lens, scale)
+        assert_close_to_baseline(
+            out,
+            baseline=reference_paged_decode(*args, dtype=dtype),
+            reference=reference_paged_decode(*args, dtype=torch.float64),
+        )
+
+
+def test_split_heuristic_fills_waves_from_shapes_only():
+    """W3 shapes on a 132-SM H100 (4-head groups: 3 CTAs per SM): the CTAs fill >= 90% of
+    their waves, many splits for few sequences, few for many, none shorter than 64 tokens."""
+    num_sms, slots, block_size = 132, 132 * 3, 16
+    for batch, context in [(1, 1024), (1, 8192), (1, 32768), (16, 4096), (64, 2048), (256, 1024)]:
+        max_blocks = context // block_size
+        splits = torch.ops.pagedkv.paged_decode_num_splits(batch, 32, 8, block_size, max_blocks, num_sms)
+        tokens_per_split = math.ceil(max_blocks / splits) * block_size
+        assert tokens_per_split >= 64 and math.ceil(context / tokens_per_split) == splits
+        ctas = batch * 8 * splits
+        if context > 1024 or batch > 1:
+            assert ctas / (math.ceil(ctas / slots) * slots) >= 0.9, (batch, context, splits)
+        if batch == 1:
+            assert splits >= 16
+        if batch >= 64:
+            assert splits <= 4
+    one_block = torch.ops.pagedkv.paged_decode_num_splits(1, 32, 8, 16, 1, num_sms)
+    assert one_block == 1
+
+
+def test_workspace_is_empty_on_cpu_and_sized_for_forced_splits():
+    q = torch.randn(3, 8, 64)
+    k_cache, _, table, _ = make_paged_cache([10, 20, 30], 2, 64, 8, torch.float32, "cpu")
+    assert ops.paged_decode_workspace(q, k_cache, table).numel() == 0
+    assert ops.paged_decode_workspace(q, k_cache, table, num_splits=4).numel() == 3 * 8 * 4 * (64 + 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    k_cache, v_cache, table, lens = make_paged_cache([5, 40], 2, 64, 8, torch.float32, device)
+    q = torch.randn(2, 4, 64, device=device)
+    for num_splits in (0, 3) if device == "cuda" else (0,):  # the CPU ignores num_splits
+        workspace = ops.paged_decode_workspace(q, k_cache, table, num_splits)
+        torch.library.opcheck(
+            torch.ops.pagedkv.paged_decode_attention.default,
+            (torch.empty_like(q), q, k_cache, v_cache, table, lens, 0.125, workspace, num_splits),
+        )
+
+
+def test_traces_under_torch_compile():
+    k_cache, v_cache, table, lens = make_paged_cache([5, 40], 2, 64, 8, torch.float32, "cpu")
+    q = torch.randn(2, 4, 64)
+    workspace = ops.paged_decode_workspace(q, k_cache, table)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def attend(q):
+        return ops.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125, workspace=workspace)
+
+    torch.testing.assert_close(attend(q), ops.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_calls_name_the_argument(device):
+    k_cache, v_cache, table, lens = make_paged_cache([5, 40], 2, 64, 8, torch.float16, device)
+    q = torch.randn(2, 4, 64, dtype=torch.float16, device=device)
+
+    def call(q=q, k=k_cache, v=v_cache, table=table, lens=lens, **kw):
+        return ops.paged_decode_attention(q, k, v, table, lens, 0.125, **kw)
+
+    with pytest.raises(RuntimeError, match=r"k_cache has dtype Float but q has Half"):
+        call(k=k_cache.float())
+    with pytest.raises(RuntimeError, match=r"q has head_dim 32; allowed: 64, 128, 256"):
+        call(q=q[..., :32].contiguous(), k=k_cache[..., :32].contiguous(), v=v_cache[..., :32].contiguous())
+    with pytest.raises(RuntimeError, match=r"k_cache has head_dim 128 but q has 64"):
+        call(k=torch.cat([k_cache, k_cache], -1), v=torch.cat([v_cache, v_cache], -1))
+    with pytest.raises(RuntimeError, match=r"block_size 12 \(dim 1\); allowed: a power of two from 8 to 128"):
+        call(k=k_cache[:, :6].repeat(1, 2, 1, 1), v=v_cache[:, :6].repeat(1, 2, 1, 1))
+    with pytest.raises(RuntimeError, match=r"q has 3 heads and k_cache 2 kv heads"):
+        call(q=q[:, :3].contiguous())
+    with pytest.raises(RuntimeError, match=r"v_cache has shape .* but k_cache has shape"):
+        call(v=v_cache[:-1].contiguous())
+    with pytest.raises(RuntimeError, match=r"block_tables has dtype Long; allowed: torch.int32"):
+        call(table=table.long())
+    with pytest.raises(RuntimeError, match=r"context_lens must have shape \[batch\] = \[2\]"):
+        call(lens=lens[:1])
+    with pytest.raises(RuntimeError, match=r"k_cache must be contiguous"):
+        call(k=k_cache.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match=r"workspace has dtype Half; allowed: torch.float32"):
+        call(workspace=torch.empty(4, dtype=torch.float16, device=device))
+
+
+def test_cpu_rejects_out_of_range_tables_and_lengths():
+    """On the CPU the table is checked for free (no device sync), so a bad one raises."""
+    k_cache, v_cache, table, lens = make_paged_cache([5, 40], 2, 64, 8, torch.float32, "cpu")
+    q = torch.randn(2, 4, 64)
+    with pytest.raises(RuntimeError, match=r"context_lens\[1\] is 1000; allowed: 0 to"):
+        ops.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor([5, 1000], dtype=torch.int32), 0.1)
+    num_blocks = k_cache.shape[0]
+    table[1, 2] = num_blocks
+    message = rf"block_tables\[1, 2\] is {num_blocks}; allowed: 0 to num_blocks - 1 = {num_blocks - 1}"
+    with pytest.raises(RuntimeError, match=message):
+        ops.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.1)
+
+
+@pytest.mark.cuda
+def test_cuda_rejects_small_workspace_and_device_mix():
+    k_cache, v_cache, table, lens = make_paged_cache([5, 400], 2, 64, 8, torch.float16, "cuda")
+    q = torch.randn(2, 4, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"workspace has 0 floats but 4 splits need"):
+        ops.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.1,
+                                   workspace=torch.empty(0, device="cuda"), num_splits=4)
+    with pytest.raises(RuntimeError, match=r"block_tables is on cpu but q is on cuda:0"):
+        ops.paged_decode_attention(q, k_cache, v_cache, table.cpu(), lens, 0.1)
