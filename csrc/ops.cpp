@@ -8,7 +8,7 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   // residual = input + residual; input = weight * rms_normalize(residual). Both in place.
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
-  // out = x @ weight^T + bias; decode-sized x (<= 8 rows, 16-bit) streams the weight in a kernel
+  // out = x @ weight^T + bias; decode-sized x (<= 2 rows, 16-bit) streams the weight in a kernel
   // of ours at memory bandwidth, anything larger goes to cuBLAS.
   m.def("linear(Tensor! out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   // out[b, h] = softmax(scale * q[b, h] . K) V over the context_lens[b] tokens block_tables[b] maps

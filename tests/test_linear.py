@@ -11,7 +11,7 @@ from pagedkv import ops
 from tolerance import assert_close_to_baseline
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ROWS = [1, 2, 3, 5, 8, 9, 33]  # 9 and 33 take cuBLAS on CUDA
+ROWS = [1, 2, 3, 8, 33]  # beyond 2 rows CUDA takes cuBLAS
 SHAPES = [(64, 64), (200, 1024), (4608, 3584), (129, 18944)]  # (n, k)
 
 

@@ -1,4 +1,4 @@
-// Skinny GEMM (m <= 8 rows of activations) for decode steps: out[m, n] = x[m, k] @ W[n, k]^T.
+// Skinny GEMM (m <= kGemvMaxRows rows of activations) for decode steps: out[m, n] = x[m, k] @ W[n, k]^T.
 // The weight is the only large operand, so the kernel is a weight-streaming loop: each warp owns
 // kRowsPerWarp output columns (rows of W), each lane reads 16 bytes of each of those W rows per
 // iteration, kUnroll iterations in flight before the first use, and multiplies them with the
@@ -111,9 +111,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 template <typename T, int kM>
 cudaError_t launch_m(T* out, const T* x, int64_t x_stride, const T* w, const T* bias, int n, int k,
                      cudaStream_t stream) {
-  // Two W rows per warp halve the x re-reads when x has several rows; one row keeps more warps
-  // in flight for the short matrices of batch 1.
-  constexpr int kRows = kM >= 4 ? 2 : 1;
+  // One W row per warp: the most warps in flight for the short matrices of small batches.
+  constexpr int kRows = 1;
   const int warps = (n + kRows - 1) / kRows;
   const int blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
   gemv_kernel<T, kM, kRows><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(out, x, x_stride, w, bias, n, k);
@@ -137,12 +136,6 @@ cudaError_t gemv(void* out, const void* x, int64_t x_stride, const void* weight,
       switch (m) {
         case 1: return launch_m<T, 1>(o, xs, x_stride, w, b, n, k, stream);
         case 2: return launch_m<T, 2>(o, xs, x_stride, w, b, n, k, stream);
-        case 3: return launch_m<T, 3>(o, xs, x_stride, w, b, n, k, stream);
-        case 4: return launch_m<T, 4>(o, xs, x_stride, w, b, n, k, stream);
-        case 5: return launch_m<T, 5>(o, xs, x_stride, w, b, n, k, stream);
-        case 6: return launch_m<T, 6>(o, xs, x_stride, w, b, n, k, stream);
-        case 7: return launch_m<T, 7>(o, xs, x_stride, w, b, n, k, stream);
-        case 8: return launch_m<T, 8>(o, xs, x_stride, w, b, n, k, stream);
         default: return cudaErrorInvalidValue;
       }
     }

@@ -9,8 +9,9 @@
 
 namespace pagedkv::kernels {
 
-// Largest number of rows of x one launch handles (beyond it the product is a GEMM: cuBLAS).
-constexpr int kGemvMaxRows = 8;
+// Largest number of rows of x one launch handles. Measured on an H100 (docs/measurements.md):
+// 1-2 rows beat cuBLAS by 4-9%, 4 rows tie, 8 rows lose 19%; beyond 2 rows cuBLAS is used.
+constexpr int kGemvMaxRows = 2;
 
 // out: [m, n]; x: [m, k] (row stride x_stride elements); weight: [n, k] contiguous;
 // bias: [n] or nullptr. k % 8 == 0 and all pointers 16-byte aligned (the launcher checks).

@@ -44,8 +44,9 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear``: x [..., K] (last dim contiguous) @ weight [N, K]^T + bias [N] -> [..., N].
 
-    On CUDA, up to 8 rows of bf16/fp16 x use pagedkv's weight-streaming kernel (batch-1..8 decode
-    steps are bound by reading the weight once); more rows, or fp32, use cuBLAS.
+    On CUDA, 1-2 rows of bf16/fp16 x use pagedkv's weight-streaming kernel (small-batch decode
+    steps are bound by reading the weight once; it beats cuBLAS there); more rows, or fp32, use
+    cuBLAS.
     """
     if out is None:
         out = x.new_empty((*x.shape[:-1], weight.shape[0]))
