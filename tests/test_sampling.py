@@ -51,10 +51,9 @@ def support(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) 
 @pytest.mark.parametrize("vocab", VOCAB_SIZES)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 def test_greedy_is_argmax(device, dtype, vocab, out_dtype):
-    logits = torch.randn(3, 2, vocab, dtype=dtype, device=device) * 4
-    logits = logits[:, -1, :]  # a strided view, as the last position of a prefill's logits
-    ties = torch.randint(-3, 3, (2, vocab), device=device).to(dtype)  # many ties: lowest index wins
-    logits = torch.cat([logits, ties])
+    prefill = torch.randn(5, 2, vocab, dtype=dtype, device=device) * 4
+    prefill[3:, -1] = torch.randint(-3, 3, (2, vocab), device=device).to(dtype)  # ties: lowest index wins
+    logits = prefill[:, -1, :]  # a strided view: the last position of each prefill's logits
     logits[0, vocab // 2] = float("-inf")
     out = torch.full((logits.shape[0],), -1, dtype=out_dtype, device=device)
     ops.sample(logits, out=out)
