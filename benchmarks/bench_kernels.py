@@ -66,7 +66,8 @@ def bench_rope(device, dtype, sizes):
         slots = torch.arange(n, dtype=torch.int32, device=device) + PAST
         positions = slots.clone()
         hf_us = median_time_us(hf_step, device)
-        ours_us = median_time_us(lambda: ops.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots), device)
+        ours_us = median_time_us(
+            lambda: ops.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots), device)
         rows.append([n, hf_us, ours_us, hf_us / ours_us])
     return ["tokens", "HF rope + cat us", "pagedkv us", "speed-up"], rows
 

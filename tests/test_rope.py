@@ -58,10 +58,12 @@ def make_inputs(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, dty
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
     qkv = torch.randn(num_tokens, width + 8, dtype=dtype, device=device)  # +8: a row stride != width
     q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
-    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    v = qkv[:, (num_q_heads + num_kv_heads) * head_dim : width].view(num_tokens, num_kv_heads, head_dim)
+    k_end = (num_q_heads + num_kv_heads) * head_dim
+    k = qkv[:, num_q_heads * head_dim : k_end].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, k_end:width].view(num_tokens, num_kv_heads, head_dim)
     num_blocks = (num_tokens + block_size - 1) // block_size + 2
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=device)
     v_cache = torch.full_like(k_cache, float("nan"))
     slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens].to(torch.int32)
     slots[num_tokens // 2] = -1  # a padding row
@@ -85,7 +87,8 @@ def check_cache(k_cache, v_cache, slots, k_expected, v_expected):
     assert_bitwise(flat_v[idx], v_expected[written], "v_cache")
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=flat_k.device)
     untouched[idx] = False
-    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all(), "a slot not in slot_mapping was written"
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all(), \
+        "a slot not in slot_mapping was written"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -120,7 +123,8 @@ def test_qk_norm_before_rope(device, dtype, head_dim, rot_dim):
     q_w = torch.rand(head_dim, dtype=dtype, device=device) + 0.5
     k_w = torch.rand(head_dim, dtype=dtype, device=device) + 0.5
     q_base, k_base = reference(q.clone(), k.clone(), positions, cache, dtype, q_w, k_w)
-    q_exact, k_exact = reference(q.double(), k.double(), positions, cache.double(), torch.float64, q_w.double(), k_w.double())
+    q_exact, k_exact = reference(q.double(), k.double(), positions, cache.double(), torch.float64,
+                                 q_w.double(), k_w.double())
     v_ref = v.clone()
 
     ops.rope_and_write_kv(q, k, v, positions, cache, k_cache, v_cache, slots, q_w, k_w, EPS)

@@ -144,8 +144,9 @@ def test_same_seed_and_offset_reproduce(device):
 def test_different_offsets_or_seeds_differ(device):
     logits = torch.randn(1000, device=device).expand(64, -1)
     by_offset = ops.sample(logits, **row_params(64, device, temperature=1.0))
-    by_seed = ops.sample(logits, **{**row_params(64, device), "offsets": torch.zeros(64, dtype=torch.int64, device=device),
-                                    "seeds": torch.arange(64, device=device)})
+    same_offset = {"offsets": torch.zeros(64, dtype=torch.int64, device=device),
+                   "seeds": torch.arange(64, device=device)}
+    by_seed = ops.sample(logits, **{**row_params(64, device), **same_offset})
     assert by_offset.unique().numel() > 20 and by_seed.unique().numel() > 20
 
 
