@@ -19,4 +19,19 @@ TORCH_LIBRARY(pagedkv, m) {
   // The split count the CUDA path of paged_decode_attention picks from shapes (host only).
   m.def("paged_decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int block_size, "
         "int max_blocks, int num_sms) -> int");
+
+  // Decode-step kernels: RoPE + KV write, SiLU*mul, sampling, block copy (csrc/kernel_checks.h).
+  // q, k rotated in place (HF rotate-half; optional per-head RMSNorm first); k, v written at
+  // slot_mapping (int32, -1 = skip); positions int32; cos_sin_cache [max_position, rot_dim] f32.
+  m.def("rope_and_write_kv(Tensor! q, Tensor! k, Tensor v, Tensor positions, Tensor cos_sin_cache, "
+        "Tensor! k_cache, Tensor! v_cache, Tensor slot_mapping, Tensor? q_norm_weight, "
+        "Tensor? k_norm_weight, float epsilon) -> ()");
+  // out = silu(x[..., :I]) * x[..., I:] with HF's rounding (silu rounded, then the product).
+  m.def("silu_and_mul(Tensor! out, Tensor x) -> ()");
+  // out[b] = argmax (temperatures absent or <= 0) or a token drawn from softmax(logits/T) under
+  // top-k/top-p with the counter-based uniform of (seeds[b], offsets[b]).
+  m.def("sample(Tensor! out, Tensor logits, Tensor? temperatures, Tensor? top_k, Tensor? top_p, "
+        "Tensor? seeds, Tensor? offsets) -> ()");
+  // For every layer l and pair i: block dst[i] of k_caches[l] and v_caches[l] = block src[i].
+  m.def("copy_blocks(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor src, Tensor dst) -> ()");
 }

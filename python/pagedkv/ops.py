@@ -136,4 +136,101 @@ def paged_decode_attention(
 def _paged_decode_attention_fake(
     out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace, num_splits=0
 ) -> None:
+# --- Decode-step kernels: RoPE + KV write, SiLU*mul, sampling, block copy -----------------------
+
+
+def rope_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    epsilon: float = 1e-6,
+) -> None:
+    """Rotary embedding of q and k in place, then k and v written into their cache slots.
+
+    q: [num_tokens, num_q_heads, head_dim], k, v: [num_tokens, num_kv_heads, head_dim] (heads
+    packed, token stride free: views of one fused QKV output work), float32/float16/bfloat16.
+    positions, slot_mapping: [num_tokens] int32; a negative slot writes nothing (padding), its
+    q/k are still rotated. cos_sin_cache: [max_position, rot_dim] float32 from
+    ``pagedkv.rope.build_cos_sin_cache`` (rot_dim <= head_dim; dims past rot_dim are not
+    rotated). k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], slot
+    s = block * block_size + offset. q_norm_weight / k_norm_weight: [head_dim], Qwen3's per-head
+    RMSNorm applied before the rotation. Rounding as HF's ``apply_rotary_pos_emb`` in the dtype.
+    """
+    _ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                           q_norm_weight, k_norm_weight, epsilon)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` rounded as HF's ``act_fn(gate) * up`` in the dtype.
+
+    x: [..., 2 * I] contiguous (gate, then up), float32/float16/bfloat16; out: [..., I] or None
+    to allocate one. Returns out.
+    """
+    if out is None:
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    _ops.silu_and_mul(out, x)
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token id per row of logits [batch, vocab] (last dim contiguous), written to out.
+
+    Without temperatures every row is greedy: exactly ``logits.argmax(-1)``. Per-row [batch]
+    tensors on logits' device: temperatures float32 (<= 0 means greedy), top_k int32 (0 = off),
+    top_p float32 (1.0 = off), seeds int64 and offsets int64 (both needed with temperatures).
+    A sampled row draws from softmax(logits / T) restricted to HF's top-k then top-p sets; the
+    draw depends only on (seed, offset) and the logits, never on global RNG state. out: [batch]
+    int64 or int32, or None to allocate int64. Returns out.
+    """
+    if out is None:
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _ops.sample(out, logits, temperatures, top_k, top_p, seeds, offsets)
+    return out
+
+
+def copy_blocks(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Copy-on-write of whole cache blocks: ``cache[dst[i]] = cache[src[i]]`` in every layer.
+
+    k_caches, v_caches: one [num_blocks, block_size, num_kv_heads, head_dim] tensor per layer, all
+    of one shape/dtype/device; src, dst: [N] int32 or int64 block ids on that device, dst blocks
+    distinct and not among src. One CUDA launch per 64 layers.
+    """
+    _ops.copy_blocks(k_caches, v_caches, src, dst)
+
+
+@torch.library.register_fake("pagedkv::rope_and_write_kv")
+def _rope_and_write_kv_fake(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                            q_norm_weight, k_norm_weight, epsilon) -> None:
+    return None
+
+
+@torch.library.register_fake("pagedkv::silu_and_mul")
+def _silu_and_mul_fake(out, x) -> None:
+    return None
+
+
+@torch.library.register_fake("pagedkv::sample")
+def _sample_fake(out, logits, temperatures, top_k, top_p, seeds, offsets) -> None:
+    return None
+
+
+@torch.library.register_fake("pagedkv::copy_blocks")
+def _copy_blocks_fake(k_caches, v_caches, src, dst) -> None:
     return None

@@ -1,0 +1,26 @@
+// Torch-free launcher of the sampling kernel: one token id per logits row, greedy or sampled.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/dtype.h"
+
+namespace pagedkv::kernels {
+
+struct SampleArgs {
+  void* out;                   // [batch] int64 (out_is_int64) or int32 token ids
+  bool out_is_int64;
+  const void* logits;          // [batch, vocab], rows row_stride elements apart
+  int64_t row_stride;
+  int batch, vocab;
+  const float* temperatures;   // [batch] or nullptr (all greedy); <= 0 (or NaN) = greedy row
+  const int32_t* top_k;        // [batch] or nullptr; outside (0, vocab) = off
+  const float* top_p;          // [batch] or nullptr; >= 1 (or NaN) = off
+  const int64_t* seeds;        // [batch], needed when temperatures is given
+  const int64_t* offsets;      // [batch], the per-request step counter
+};
+
+cudaError_t sample(const SampleArgs& args, DType dtype, cudaStream_t stream);
+
+}  // namespace pagedkv::kernels

@@ -1,0 +1,187 @@
+"""sample: greedy rows are exactly torch.argmax; sampled rows stay in HF's top-k/top-p support,
+follow softmax(logits / T) renormalized over it, and depend only on (seed, offset)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICES
+from pagedkv import ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+VOCAB_SIZES = [1, 7, 1000, 151936]  # 151936: Qwen2/Qwen3's vocabulary
+OUT_DTYPES = [torch.int64, torch.int32]
+
+
+def row_params(batch, device, temperature=1.0, top_k=0, top_p=1.0, seed=1234, offsets=None):
+    """Per-row parameter tensors as the runner keeps them: [batch] each, on the logits' device."""
+    full = lambda value, dtype: torch.full((batch,), value, dtype=dtype, device=device)  # noqa: E731
+    return dict(
+        temperatures=full(temperature, torch.float32),
+        top_k=full(top_k, torch.int32),
+        top_p=full(top_p, torch.float32),
+        seeds=full(seed, torch.int64),
+        offsets=torch.arange(batch, device=device) if offsets is None else offsets,
+    )
+
+
+def support(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """HF's TopK then TopP warpers on softmax(logits / T), with the tokens tied at a boundary
+    kept: top-k keeps logits >= the k-th largest; top-p keeps a token when the probability of
+    the tokens strictly above it is < top_p (1e-6 of slack for rounding at the boundary)."""
+    logits = logits.double()
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if 0 < top_k < logits.numel():
+        keep &= logits >= logits.topk(top_k).values[-1]
+    if top_p < 1.0:
+        probs = torch.softmax(torch.where(keep, logits / temperature, float("-inf")), -1)
+        values, order = logits.sort(descending=True)
+        before = probs[order].cumsum(0) - probs[order]  # mass ahead in sorted order
+        first = torch.ones_like(values, dtype=torch.bool)
+        first[1:] = values[1:] != values[:-1]
+        above = torch.empty_like(before)
+        above[order] = before[first][first.cumsum(0) - 1]  # ties: the mass above the whole group
+        keep &= above < top_p + 1e-6
+    return keep
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCAB_SIZES)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_greedy_is_argmax(device, dtype, vocab, out_dtype):
+    prefill = torch.randn(5, 2, vocab, dtype=dtype, device=device) * 4
+    prefill[3:, -1] = torch.randint(-3, 3, (2, vocab), device=device).to(dtype)  # ties: lowest index wins
+    logits = prefill[:, -1, :]  # a strided view: the last position of each prefill's logits
+    logits[0, vocab // 2] = float("-inf")
+    out = torch.full((logits.shape[0],), -1, dtype=out_dtype, device=device)
+    ops.sample(logits, out=out)
+    assert torch.equal(out, logits.argmax(-1).to(out_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_handles_nan_and_zero_temperature_rows(device):
+    logits = torch.randn(4, 300, device=device)
+    logits[1, 17] = float("nan")  # torch.argmax takes NaN as the largest
+    logits[2] = float("-inf")
+    params = row_params(4, device, temperature=0.0)
+    params["temperatures"][3] = 0.7  # only row 3 samples
+    out = ops.sample(logits, **params)
+    assert torch.equal(out[:3], logits[:3].argmax(-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [10, 1000])
+def test_sampled_tokens_stay_in_support(device, dtype, vocab):
+    batch = 96
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(dtype)
+    logits[::7] = logits[::7].round()  # rows full of ties
+    temperatures = torch.rand(batch, generator=gen) * 1.7 + 0.3
+    top_k = torch.tensor([0, 1, 5, 50, vocab, 2 * vocab], dtype=torch.int32)[torch.arange(batch) % 6]
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.0, 0.99])[torch.arange(batch) % 5]
+    seeds = torch.randint(0, 2**62, (batch,), generator=gen)
+    offsets = torch.randint(0, 1000, (batch,), generator=gen)
+    out = ops.sample(logits.to(device), temperatures.to(device), top_k.to(device), top_p.to(device),
+                     seeds.to(device), offsets.to(device)).cpu()
+    for r in range(batch):
+        keep = support(logits[r], temperatures[r].item(), top_k[r].item(), top_p[r].item())
+        assert keep[out[r]], (f"row {r}: token {out[r].item()} outside the support (T={temperatures[r]:.3f}, "
+                              f"top_k={top_k[r].item()}, top_p={top_p[r].item()})")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_vocab_support(device, dtype):
+    """A decode step's real shape: 151936 logits, Qwen3's recommended T=0.6, top-k 20, top-p 0.95."""
+    batch, vocab = 3, 151936
+    logits = (torch.randn(batch, vocab) * 2.5).to(dtype)
+    for top_k, top_p in [(20, 0.95), (0, 0.9), (1000, 1.0)]:
+        params = row_params(batch, device, temperature=0.6, top_k=top_k, top_p=top_p)
+        out = ops.sample(logits.to(device), **params).cpu()
+        for r in range(batch):
+            keep = support(logits[r], 0.6, top_k, top_p) if top_k or top_p < 1 else None
+            assert keep is None or keep[out[r]]
+
+
+# (temperature, top_k, top_p) over a 12-token vocabulary
+DISTRIBUTION_CASES = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.9), (0.5, 3, 0.6)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", DISTRIBUTION_CASES)
+def test_frequencies_follow_the_restricted_softmax(device, case):
+    temperature, top_k, top_p = case
+    draws = 20000
+    logits = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.7, 0.5, 0.0, -0.3, -1.0, -1.2, -2.0, -4.0])
+    keep = support(logits, temperature, top_k, top_p)
+    expected = torch.softmax(torch.where(keep, logits.double() / temperature, float("-inf")), -1)
+    params = row_params(draws, device, temperature, top_k, top_p, seed=7)  # offsets 0..draws-1
+    tokens = ops.sample(logits.expand(draws, -1).to(device), **params).cpu()
+    counts = torch.bincount(tokens, minlength=logits.numel()).double()
+    assert counts[~keep].sum() == 0, "a token outside the top-k/top-p support was drawn"
+    # Binomial counts within 5 standard deviations (fixed seeds: deterministic, never flaky).
+    sigma = (draws * expected * (1 - expected)).sqrt()
+    assert ((counts - draws * expected).abs() <= 5 * sigma + 2).all(), (counts / draws, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_seed_and_offset_reproduce(device):
+    logits = torch.randn(8, 1000, device=device)
+    params = row_params(8, device, temperature=1.0, top_p=0.95)
+    params["seeds"] = torch.arange(8, device=device) * 1000003
+    first = ops.sample(logits, **params)
+    assert torch.equal(first, ops.sample(logits, **params))
+    # A row's draw does not depend on its batch slot.
+    perm = torch.randperm(8, device=device)
+    permuted = {name: t[perm] for name, t in params.items()}
+    assert torch.equal(ops.sample(logits[perm], **permuted), first[perm])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_different_offsets_or_seeds_differ(device):
+    logits = torch.randn(1000, device=device).expand(64, -1)
+    by_offset = ops.sample(logits, **row_params(64, device, temperature=1.0))
+    same_offset = {"offsets": torch.zeros(64, dtype=torch.int64, device=device),
+                   "seeds": torch.arange(64, device=device)}
+    by_seed = ops.sample(logits, **{**row_params(64, device), **same_offset})
+    assert by_offset.unique().numel() > 20 and by_seed.unique().numel() > 20
+
+
+@pytest.mark.cuda
+def test_cpu_and_cuda_draw_the_same_tokens():
+    batch = 256
+    logits = torch.randn(batch, 5000) * 3
+    params = row_params(batch, "cpu", temperature=0.8, top_k=40, top_p=0.9)
+    params["seeds"] = torch.randint(0, 2**62, (batch,))
+    cpu = ops.sample(logits, **params)
+    cuda = ops.sample(logits.cuda(), **{name: t.cuda() for name, t in params.items()}).cpu()
+    # Equal but where a weight (std::exp vs __expf) sits on a boundary: practically never.
+    assert (cpu == cuda).float().mean() >= 0.98
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    logits = torch.randn(4, 100, device=device)
+    out = torch.empty(4, dtype=torch.int64, device=device)
+    torch.library.opcheck(torch.ops.pagedkv.sample.default, (out, logits, None, None, None, None, None))
+    p = row_params(4, device, temperature=0.9, top_k=10, top_p=0.9)
+    torch.library.opcheck(torch.ops.pagedkv.sample.default,
+                          (out, logits, p["temperatures"], p["top_k"], p["top_p"], p["seeds"], p["offsets"]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_calls_name_the_argument(device):
+    logits = torch.randn(4, 100, device=device)
+    with pytest.raises(RuntimeError, match=r"sampling with temperatures needs seeds and offsets"):
+        ops.sample(logits, temperatures=torch.ones(4, device=device))
+    with pytest.raises(RuntimeError, match=r"top_k has dtype Long; it must be Int"):
+        ops.sample(logits, top_k=torch.ones(4, dtype=torch.int64, device=device))
+    with pytest.raises(RuntimeError, match=r"out must have shape \[batch\] = \[4\]"):
+        ops.sample(logits, out=torch.empty(3, dtype=torch.int64, device=device))
+    with pytest.raises(RuntimeError, match=r"out has dtype Float; allowed: torch.int32 or torch.int64"):
+        ops.sample(logits, out=torch.empty(4, device=device))
+    with pytest.raises(RuntimeError, match=r"logits must have shape \[batch, vocab\] with a contiguous last"):
+        ops.sample(logits.t())
