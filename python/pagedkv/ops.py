@@ -136,6 +136,9 @@ def paged_decode_attention(
 def _paged_decode_attention_fake(
     out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace, num_splits=0
 ) -> None:
+    return None
+
+
 # --- Decode-step kernels: RoPE + KV write, SiLU*mul, sampling, block copy -----------------------
 
 
