@@ -5,7 +5,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
-#include <optional>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "cache/cache_manager.h"
@@ -16,6 +17,45 @@ namespace py = pybind11;
 
 namespace pagedkv {
 namespace {
+
+// Id and token lists arrive by the hundred every decode step; pybind11's generic list caster
+// spends ~30 ns an element on them, this C-API loop a few. Also takes a 1-D CPU integer tensor
+// (e.g. the sampled tokens, without a .tolist()).
+template <typename T>
+std::vector<T> read_ints(py::handle obj, const char* name) {
+  std::vector<T> out;
+  const auto store = [&](int64_t i, long long v) {
+    if (v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) {
+      throw std::invalid_argument(std::string("pagedkv: ") + name + "[" + std::to_string(i) + "] = " +
+                                  std::to_string(v) + " does not fit in " + (sizeof(T) == 4 ? "int32" : "int64"));
+    }
+    out[i] = static_cast<T>(v);
+  };
+  if (THPVariable_Check(obj.ptr())) {
+    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    TORCH_CHECK(t.dim() == 1 && t.device().is_cpu() && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
+                "pagedkv: ", name, " must be a list of ints or a 1-D CPU int32/int64 tensor, got a ",
+                t.scalar_type(), " tensor of shape ", t.sizes(), " on ", t.device());
+    const at::Tensor c = t.contiguous();
+    out.resize(c.numel());
+    for (int64_t i = 0; i < c.numel(); ++i) {
+      store(i, c.scalar_type() == at::kInt ? c.data_ptr<int32_t>()[i] : c.data_ptr<int64_t>()[i]);
+    }
+    return out;
+  }
+  const std::string error = std::string("pagedkv: ") + name + " must be a list of ints or a 1-D CPU integer tensor";
+  const py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(obj.ptr(), error.c_str()));
+  if (!seq) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long long v = PyLong_AsLongLong(items[i]);
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    store(i, v);
+  }
+  return out;
+}
 
 py::list copies_to_list(const std::vector<BlockCopy>& copies) {
   py::list out;
@@ -62,34 +102,42 @@ void register_cache_bindings(py::module_& m) {
       .def(py::init<int32_t, int32_t, int64_t, bool>(), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("max_seq_len"), py::arg("enable_prefix_caching") = true)
       .def("add_sequence",
-           [](CacheManager& self, int64_t seq_id, const std::vector<int32_t>& tokens) {
-             return self.add_sequence(seq_id, tokens);
+           [](CacheManager& self, int64_t seq_id, py::handle tokens) {
+             return self.add_sequence(seq_id, read_ints<int32_t>(tokens, "token_ids"));
            },
            py::arg("seq_id"), py::arg("token_ids"))
       .def("append_tokens",
-           [](CacheManager& self, int64_t seq_id, const std::vector<int32_t>& tokens) {
+           [](CacheManager& self, int64_t seq_id, py::handle tokens) {
              std::vector<BlockCopy> copies;
-             self.append_tokens(seq_id, tokens, copies);
+             self.append_tokens(seq_id, read_ints<int32_t>(tokens, "token_ids"), copies);
              return copies_to_list(copies);
            },
            py::arg("seq_id"), py::arg("token_ids"))
-      .def("append_batch",
-           [](CacheManager& self, const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens) {
+      .def("reserve",
+           [](CacheManager& self, int64_t seq_id, int64_t num_tokens) {
              std::vector<BlockCopy> copies;
-             self.append_batch(seq_ids, tokens, copies);
+             self.reserve(seq_id, num_tokens, copies);
+             return copies_to_list(copies);
+           },
+           py::arg("seq_id"), py::arg("num_tokens"))
+      .def("append_batch",
+           [](CacheManager& self, py::handle seq_ids, py::handle tokens) {
+             std::vector<BlockCopy> copies;
+             self.append_batch(read_ints<int64_t>(seq_ids, "seq_ids"), read_ints<int32_t>(tokens, "token_ids"),
+                               copies);
              return copies_to_list(copies);
            },
            py::arg("seq_ids"), py::arg("token_ids"))
       .def("fork", &CacheManager::fork, py::arg("parent_id"), py::arg("child_id"))
       .def("free", &CacheManager::free_sequence, py::arg("seq_id"))
       .def("blocks_needed_to_add",
-           [](const CacheManager& self, const std::vector<int32_t>& tokens) {
-             return self.blocks_needed_to_add(tokens);
+           [](const CacheManager& self, py::handle tokens) {
+             return self.blocks_needed_to_add(read_ints<int32_t>(tokens, "token_ids"));
            },
            py::arg("token_ids"))
       .def("blocks_needed_to_append",
-           [](CacheManager& self, const std::vector<int64_t>& seq_ids, int64_t tokens_each) {
-             return self.blocks_needed_to_append(seq_ids, tokens_each);
+           [](CacheManager& self, py::handle seq_ids, int64_t tokens_each) {
+             return self.blocks_needed_to_append(read_ints<int64_t>(seq_ids, "seq_ids"), tokens_each);
            },
            py::arg("seq_ids"), py::arg("num_tokens") = 1)
       .def("can_allocate", &CacheManager::can_allocate, py::arg("num_blocks"))
@@ -120,12 +168,12 @@ void register_cache_bindings(py::module_& m) {
       .def_property_readonly("max_blocks_per_seq", &CacheManager::max_blocks_per_seq)
       .def_property_readonly("enable_prefix_caching", &CacheManager::prefix_caching)
       .def("build_step",
-           [](CacheManager& self, const StepLayout& layout, const at::Tensor& buffer,
-              const std::vector<int64_t>& seq_ids, const std::optional<std::vector<int32_t>>& query_lens,
-              int32_t padded_batch) {
-             const StepSizes s = build_step_metadata(
-                 self, layout, seq_ids, query_lens ? std::span<const int32_t>(*query_lens) : std::span<const int32_t>(),
-                 padded_batch, step_buffer_data(buffer, layout));
+           [](CacheManager& self, const StepLayout& layout, const at::Tensor& buffer, py::handle seq_ids,
+              py::handle query_lens, int32_t padded_batch) {
+             const std::vector<int32_t> lens =
+                 query_lens.is_none() ? std::vector<int32_t>() : read_ints<int32_t>(query_lens, "query_lens");
+             const StepSizes s = build_step_metadata(self, layout, read_ints<int64_t>(seq_ids, "seq_ids"), lens,
+                                                     padded_batch, step_buffer_data(buffer, layout));
              return py::make_tuple(s.num_tokens, s.max_query_len, s.max_context_len);
            },
            py::arg("layout"), py::arg("buffer"), py::arg("seq_ids"), py::arg("query_lens"),

@@ -14,8 +14,9 @@ class ModelCacheFull(Exception):
 
 @dataclass
 class ModelSequence:
-    tokens: list[int]
+    tokens: list[int | None]  # None: a slot reserved for a token not known yet
     blocks: list[int] = field(default_factory=list)
+    keyable: bool = True  # False once slots were reserved without token ids
 
 
 class CacheModel:
@@ -115,7 +116,12 @@ class CacheModel:
             needed += copy + self.blocks_for(len(seq.tokens) + n) - self.blocks_for(len(seq.tokens))
         return copies, needed
 
-    def append(self, seq_ids: list[int], tokens_per_seq: list[list[int]]) -> list[tuple[int, int]]:
+    def reserve(self, seq_id: int, n: int) -> list[tuple[int, int]]:
+        if n < 0:
+            raise ValueError("negative count")
+        return self.append([seq_id], [[None] * n])
+
+    def append(self, seq_ids: list[int], tokens_per_seq: list[list[int | None]]) -> list[tuple[int, int]]:
         copy_flags, needed = self.plan_append(seq_ids, len(tokens_per_seq[0]) if tokens_per_seq else 0)
         if needed > self.num_free:
             raise ModelCacheFull
@@ -127,11 +133,12 @@ class CacheModel:
                 self.release(src)
                 seq.blocks[-1] = dst
                 copies.append((src, dst))
+            seq.keyable = seq.keyable and None not in tokens
             for token in tokens:
                 if len(seq.tokens) % self.bs == 0:
                     seq.blocks.append(self.allocate())
                 seq.tokens.append(token)
-                if len(seq.tokens) % self.bs == 0:
+                if len(seq.tokens) % self.bs == 0 and seq.keyable:
                     self.register(seq.blocks[-1], tuple(seq.tokens))
         return copies
 
@@ -141,7 +148,7 @@ class CacheModel:
             raise ValueError("id in use")
         for block in parent.blocks:
             self.add_ref(block)
-        self.seqs[child_id] = ModelSequence(list(parent.tokens), list(parent.blocks))
+        self.seqs[child_id] = ModelSequence(list(parent.tokens), list(parent.blocks), parent.keyable)
 
     def free(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import DEVICES
-from pagedkv import KVCache, KVCacheSpec, StepMetadata
+from pagedkv import KVCache, StepMetadata
 
 BLOCK_SIZES = [1, 4, 16]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -103,8 +103,8 @@ class Scenario:
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_kv_round_trip_over_prefills_decodes_forks_and_prefix_hits(device, dtype, block_size):
     rng = random.Random(block_size)
-    spec = KVCacheSpec(LAYERS, KV_HEADS, HEAD_DIM, dtype=dtype, block_size=block_size)
-    cache = KVCache(spec, num_blocks=4096 // block_size, device=device, max_seq_len=256, max_batch_size=16)
+    cache = KVCache(LAYERS, KV_HEADS, HEAD_DIM, dtype=dtype, block_size=block_size, num_blocks=4096 // block_size,
+                    device=device, max_seq_len=256, max_batch_size=16)
     cache.kv.fill_(float("nan"))  # a slot read before it was written fails the comparison
     run = Scenario(cache, rng)
     system = [rng.randrange(50) for _ in range(37)]

@@ -15,10 +15,10 @@ BLOCK_SIZES = [1, 4, 16]
 
 
 def make_cache(num_blocks=16, block_size=4, device="cpu", **kwargs) -> KVCache:
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=block_size)
     kwargs.setdefault("max_seq_len", 64)
     kwargs.setdefault("max_batch_size", 8)
-    return KVCache(spec, num_blocks=num_blocks, device=device, **kwargs)
+    return KVCache(2, 2, 8, dtype=torch.float32, block_size=block_size, num_blocks=num_blocks, device=device,
+                   **kwargs)
 
 
 def state(cache: KVCache):
@@ -33,12 +33,14 @@ def test_spec_bytes_and_capacity():
     spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
     assert spec.bytes_per_token == 2 * 3 * 2 * 8 * 2
     assert spec.bytes_per_block == 16 * spec.bytes_per_token
-    cache = KVCache(spec, memory_bytes=5 * spec.bytes_per_block + 7, device="cpu")
+    cache = KVCache(3, 2, 8, dtype=torch.bfloat16, memory_bytes=5 * spec.bytes_per_block + 7, device="cpu")
+    assert cache.spec == spec
     assert cache.num_blocks == 5 and cache.capacity_tokens == 80
+    assert cache.manager.max_seq_len == 80  # by default one sequence may fill the cache
     # kv: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     assert cache.kv.shape == (3, 2, 5, 16, 2, 8) and cache.kv.dtype == torch.bfloat16
-    assert len(cache.key_caches) == 3 and cache.key_caches[1].shape == (5, 16, 2, 8)
-    assert cache.key_caches[1].is_contiguous() and cache.value_caches[2].data_ptr() == cache.kv[2, 1].data_ptr()
+    assert len(cache.k_caches) == 3 and cache.k_caches[1].shape == (5, 16, 2, 8)
+    assert cache.k_caches[1].is_contiguous() and cache.v_caches[2].data_ptr() == cache.kv[2, 1].data_ptr()
 
 
 def test_spec_from_hf_config():
@@ -50,6 +52,8 @@ def test_spec_from_hf_config():
                         dtype="bfloat16")
     spec = KVCacheSpec.from_hf_config(llama)
     assert (spec.num_kv_heads, spec.head_dim, spec.dtype, spec.block_size) == (4, 128, torch.bfloat16, 16)
+    cache = KVCache.from_hf_config(llama, num_blocks=3, device="cpu")
+    assert cache.kv.shape == (2, 2, 3, 16, 4, 128) and cache.kv.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -59,16 +63,15 @@ def test_spec_from_hf_config():
     ({"memory_bytes": 10}, "hold no cache block"),
 ])
 def test_sizing_errors_say_what_is_allowed(kwargs, message):
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8)
     with pytest.raises(ValueError, match=message):
-        KVCache(spec, device="cpu", **kwargs)
+        KVCache(1, 1, 8, device="cpu", **kwargs)
 
 
 @pytest.mark.cuda
 def test_memory_fraction_of_free_cuda_memory():
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64)
     free_bytes, _ = torch.cuda.mem_get_info()
-    cache = KVCache(spec, memory_fraction=0.01, device="cuda")
+    cache = KVCache(2, 2, 64, memory_fraction=0.01, device="cuda")
     assert cache.num_blocks == int(free_bytes * 0.01) // spec.bytes_per_block
 
 
@@ -100,13 +103,34 @@ def test_append_allocates_only_on_a_block_boundary():
     assert cache.block_table(0) == [0, 1, 2] and cache.seq_len(0) == 10
 
 
+def test_reserve_takes_slots_for_unknown_tokens_which_never_enter_the_prefix_cache():
+    cache = make_cache(block_size=4)
+    cache.add_sequence(0, [1, 2, 3, 4, 5, 6])
+    cache.reserve(0, 7)  # 13 tokens: 4 blocks
+    assert cache.seq_len(0) == 13 and len(cache.block_table(0)) == 4
+    cache.append_tokens(0, [9, 9, 9])  # fills block 3, but its tokens 12.. are partly unknown
+    assert cache.add_sequence(1, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4  # only the prompt's full block
+
+
+def test_tokens_may_come_as_a_cpu_tensor():
+    cache = make_cache(block_size=4)
+    cache.add_sequence(0, torch.tensor([1, 2, 3]))
+    cache.add_sequence(1, torch.tensor([4, 5], dtype=torch.int32))
+    cache.append_batch(torch.tensor([0, 1]), torch.tensor([7, 8], dtype=torch.int32))
+    assert (cache.seq_len(0), cache.seq_len(1)) == (4, 3)
+    with pytest.raises(RuntimeError, match="1-D CPU int32/int64 tensor"):
+        cache.append_batch([0], torch.tensor([[1]]))
+    with pytest.raises(TypeError):
+        cache.append_batch([0], [1.5])
+
+
 def test_free_returns_every_block():
     cache = make_cache()
     cache.add_sequence(0, list(range(10)))
     cache.add_sequence(1, list(range(100, 105)))
     cache.free(0)
     cache.free(1)
-    assert cache.num_free_blocks == cache.num_blocks and 0 not in cache and len(cache.manager) == 0
+    assert cache.num_free_blocks == cache.num_blocks and not cache.has_sequence(0) and len(cache.manager) == 0
 
 
 def test_fork_shares_blocks_by_reference_count():
@@ -239,7 +263,7 @@ def test_cache_full_on_add_changes_nothing():
     assert not cache.can_allocate(cache.blocks_needed_to_add(list(range(100, 108))))
     with pytest.raises(CacheFull, match="needs 2 free blocks but only 1 of 4 are free"):
         cache.add_sequence(1, list(range(100, 108)))
-    assert state(cache) == before and 1 not in cache
+    assert state(cache) == before and not cache.has_sequence(1)
 
 
 def test_cache_full_on_a_batch_append_changes_nothing():
@@ -278,6 +302,8 @@ def test_cache_full_on_a_copy_on_write_append_changes_nothing():
     (lambda c: c.append_tokens(0, list(range(62))), ValueError, "would pass max_seq_len 64"),
     (lambda c: c.append_batch([0, 0], [1, 1]), ValueError, "appears twice in one batch"),
     (lambda c: c.append_batch([0], [1, 2]), ValueError, "one token per sequence"),
+    (lambda c: c.append_tokens(0, [1 << 40]), ValueError, r"token_ids\[0\] = 1099511627776 does not fit in int32"),
+    (lambda c: c.reserve(0, -1), ValueError, "cannot append -1 tokens"),
     (lambda c: c.build_metadata([0], [4]), ValueError, r"query_lens\[0\] = 4 .* must be in \[1, 3\]"),
     (lambda c: c.build_metadata([0], padded_batch=9), ValueError, "max_batch 8"),
 ])

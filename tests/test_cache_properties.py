@@ -1,4 +1,4 @@
-"""Long random runs of add / append / append_batch / fork / free / step metadata against the
+"""Long random runs of add / append / reserve / append_batch / fork / free / step metadata against the
 plain-Python model (cache_model.py), checking after every step that the C++ manager agrees with
 the model exactly (block tables, reference counts, eviction order, prefix hits, copies) and
 that its own state is consistent: ref counts equal the number of owners, a block is owned twice
@@ -80,6 +80,13 @@ class CacheMachine(RuleBasedStateMachine):
                                      lambda: [tuple(c) for c in self.real.append_tokens(seq_id, tokens)])
         if copies:
             event("copy-on-write")
+
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data(), n=st.integers(-1, 9))
+    def reserve(self, data, n):
+        seq_id = data.draw(st.sampled_from(self.live_ids()))
+        expect_same_outcome(lambda: self.model.reserve(seq_id, n),
+                            lambda: [tuple(c) for c in self.real.reserve(seq_id, n)])
 
     @precondition(lambda self: self.model.seqs)
     @rule(data=st.data())

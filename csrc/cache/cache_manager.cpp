@@ -192,8 +192,8 @@ int32_t CacheManager::blocks_needed_to_append(std::span<const int64_t> seq_ids, 
   return static_cast<int32_t>(needed);
 }
 
-void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan,
-                                std::span<const int32_t> tokens, std::vector<BlockCopy>& copies) {
+void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n, const int32_t* tokens,
+                                std::vector<BlockCopy>& copies) {
   if (plan.copy_last) {
     const int32_t src = seq.blocks.back();
     const int32_t dst = allocator_.allocate();
@@ -201,11 +201,11 @@ void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan,
     seq.blocks.back() = dst;
     copies.push_back({src, dst});
   }
-  for (const int32_t token : tokens) {
+  for (int64_t i = 0; i < n; ++i) {
     if (seq.num_tokens % block_size_ == 0) seq.blocks.push_back(allocator_.allocate());
     ++seq.num_tokens;
-    if (!prefix_caching_) continue;
-    seq.tail_tokens.push_back(token);
+    if (!prefix_caching_ || !seq.keyable) continue;
+    seq.tail_tokens.push_back(tokens[i]);
     if (static_cast<int32_t>(seq.tail_tokens.size()) == block_size_) {
       const uint64_t key = chain_hash(seq.last_full_key, seq.tail_tokens.data(), block_size_);
       allocator_.register_full(seq.blocks.back(), key, seq.last_full_key, seq.tail_tokens.data());
@@ -218,10 +218,23 @@ void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan,
 void CacheManager::append_tokens(int64_t seq_id, std::span<const int32_t> tokens,
                                  std::vector<BlockCopy>& copies) {
   Sequence& seq = find(seq_id);
+  const int64_t n = static_cast<int64_t>(tokens.size());
   unref_scratch_.clear();
-  const AppendPlan plan = plan_append(seq, seq_id, static_cast<int64_t>(tokens.size()), unref_scratch_);
+  const AppendPlan plan = plan_append(seq, seq_id, n, unref_scratch_);
   check_free_blocks(plan.copy_last + plan.new_blocks, "appending to a sequence");
-  write_tokens(seq, plan, tokens, copies);
+  write_tokens(seq, plan, n, tokens.data(), copies);
+}
+
+void CacheManager::reserve(int64_t seq_id, int64_t num_tokens, std::vector<BlockCopy>& copies) {
+  Sequence& seq = find(seq_id);
+  unref_scratch_.clear();
+  const AppendPlan plan = plan_append(seq, seq_id, num_tokens, unref_scratch_);
+  check_free_blocks(plan.copy_last + plan.new_blocks, "reserving slots for a sequence");
+  if (num_tokens == 0) return;
+  // Blocks holding tokens not known yet can never be keyed, nor can any block after them.
+  seq.keyable = false;
+  seq.tail_tokens.clear();
+  write_tokens(seq, plan, num_tokens, nullptr, copies);
 }
 
 void CacheManager::append_batch(std::span<const int64_t> seq_ids, std::span<const int32_t> tokens,
@@ -241,7 +254,7 @@ void CacheManager::append_batch(std::span<const int64_t> seq_ids, std::span<cons
   }
   check_free_blocks(needed, "appending a token to each sequence of the batch");
   for (size_t i = 0; i < seq_ids.size(); ++i) {
-    write_tokens(*plans_scratch_[i].seq, plans_scratch_[i], tokens.subspan(i, 1), copies);
+    write_tokens(*plans_scratch_[i].seq, plans_scratch_[i], 1, &tokens[i], copies);
   }
 }
 

@@ -26,6 +26,9 @@ class CacheManager {
   int64_t add_sequence(int64_t seq_id, std::span<const int32_t> tokens);
   // Slots for more tokens of one sequence (a prefill chunk); block copies go to `copies`.
   void append_tokens(int64_t seq_id, std::span<const int32_t> tokens, std::vector<BlockCopy>& copies);
+  // Slots for num_tokens tokens whose ids are not known yet (e.g. generate() reserving a whole
+  // generation up front). The sequence's blocks from here on never enter the prefix cache.
+  void reserve(int64_t seq_id, int64_t num_tokens, std::vector<BlockCopy>& copies);
   // One more token for each sequence (a decode step), all or nothing.
   void append_batch(std::span<const int64_t> seq_ids, std::span<const int32_t> tokens,
                     std::vector<BlockCopy>& copies);
@@ -69,7 +72,8 @@ class CacheManager {
   void check_free_blocks(int64_t needed, const char* what) const;
   // An empty prompt, one past max_seq_len or one larger than the whole cache can never be added.
   void check_prompt(std::span<const int32_t> tokens) const;
-  void write_tokens(Sequence& seq, const AppendPlan& plan, std::span<const int32_t> tokens,
+  // n more tokens; `tokens` is read only while the sequence is keyable (reserve passes none).
+  void write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n, const int32_t* tokens,
                     std::vector<BlockCopy>& copies);
   // Prefix-cache keys of the prompt's full blocks and the leading ones found cached (`hits`);
   // returns how many of the hits have no owner now (reviving them takes them from the free count).

@@ -14,6 +14,7 @@ struct Sequence {
   // prefix caching on, to key the block when it becomes full.
   std::vector<int32_t> tail_tokens;
   uint64_t last_full_key = kRootHash;  // prefix-cache key of the last full block
+  bool keyable = true;               // false once slots were reserved without token ids
   int64_t num_tokens = 0;            // tokens holding a slot, including ones not yet computed
   uint64_t batch_mark = 0;           // the last batch call that named it (catches duplicates)
 };

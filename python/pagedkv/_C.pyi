@@ -1,8 +1,11 @@
 """Types of the compiled module pagedkv._C (csrc/bindings.cpp, csrc/cache_bindings.cpp)."""
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
+
+# Ids and tokens: a list of ints or a 1-D CPU int32/int64 tensor.
+Ints = Union[Sequence[int], torch.Tensor]
 
 build_info: str
 with_cuda: bool
@@ -44,15 +47,18 @@ class CacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, max_seq_len: int,
                  enable_prefix_caching: bool = True) -> None: ...
-    def add_sequence(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def add_sequence(self, seq_id: int, token_ids: Ints) -> int:
         """Returns the number of leading prompt tokens found in the prefix cache."""
-    def append_tokens(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    def append_tokens(self, seq_id: int, token_ids: Ints) -> list[tuple[int, int]]:
         """Returns the (src, dst) block copies to do on the device first (copy-on-write)."""
-    def append_batch(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> list[tuple[int, int]]: ...
+    def reserve(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Slots for tokens not known yet; the sequence's later blocks are never prefix-cached."""
+    def append_batch(self, seq_ids: Ints, token_ids: Ints) -> list[tuple[int, int]]:
+        """One token per sequence, all or nothing."""
     def fork(self, parent_id: int, child_id: int) -> None: ...
     def free(self, seq_id: int) -> None: ...
-    def blocks_needed_to_add(self, token_ids: Sequence[int]) -> int: ...
-    def blocks_needed_to_append(self, seq_ids: Sequence[int], num_tokens: int = 1) -> int: ...
+    def blocks_needed_to_add(self, token_ids: Ints) -> int: ...
+    def blocks_needed_to_append(self, seq_ids: Ints, num_tokens: int = 1) -> int: ...
     def can_allocate(self, num_blocks: int) -> bool: ...
     def seq_len(self, seq_id: int) -> int: ...
     def block_table(self, seq_id: int) -> list[int]: ...
@@ -77,7 +83,7 @@ class CacheManager:
     def max_blocks_per_seq(self) -> int: ...
     @property
     def enable_prefix_caching(self) -> bool: ...
-    def build_step(self, layout: StepLayout, buffer: torch.Tensor, seq_ids: Sequence[int],
-                   query_lens: Sequence[int] | None, padded_batch: int) -> tuple[int, int, int]:
+    def build_step(self, layout: StepLayout, buffer: torch.Tensor, seq_ids: Ints,
+                   query_lens: Ints | None, padded_batch: int) -> tuple[int, int, int]:
         """Writes one step's metadata into buffer (CPU int32, layout.size elements); returns
         (num_tokens, max_query_len, max_context_len)."""
