@@ -22,7 +22,7 @@ def copy_blocks(kv: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:
     K and V. kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
     if not copies:
         return
-    src, dst = torch.tensor(copies, dtype=torch.int64).T.to(kv.device, non_blocking=True)  # [n] each
+    src, dst = torch.tensor(copies, dtype=torch.int64, device=kv.device).T  # [n] each
     kv.index_copy_(2, dst, kv.index_select(2, src))
 
 
