@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "build_info.h"
+#include "cache_bindings.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagedkv C++/CUDA core";
@@ -12,4 +13,5 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  pagedkv::register_cache_bindings(m);
 }

@@ -2,6 +2,9 @@
 
 from pagedkv._ext import _C
 from pagedkv import ops
+from pagedkv.cache import CacheFull, KVCache
+from pagedkv.cache_spec import KVCacheSpec
+from pagedkv.step_metadata import StepMetadata
 
 __version__ = "0.1.0"
 
@@ -11,4 +14,5 @@ build_info: str = _C.build_info
 with_cuda: bool = _C.with_cuda
 """True when the CUDA kernels were compiled in."""
 
-__all__ = ["ops", "build_info", "with_cuda", "__version__"]
+__all__ = ["ops", "KVCache", "KVCacheSpec", "CacheFull", "StepMetadata", "build_info", "with_cuda",
+           "__version__"]

@@ -1,0 +1,282 @@
+#include "cache/cache_manager.h"
+
+#include <string>
+
+#include "cache/errors.h"
+
+namespace pagedkv {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+
+// Runs before any member is built, so a bad argument never sizes the allocator.
+int32_t checked_block_size(int32_t num_blocks, int32_t block_size, int64_t max_seq_len) {
+  if (num_blocks < 1) {
+    throw std::invalid_argument("pagedkv: num_blocks must be >= 1, got " + str(num_blocks));
+  }
+  if (block_size < 1 || (block_size & (block_size - 1)) != 0) {
+    throw std::invalid_argument("pagedkv: block_size must be a power of two (e.g. 16), got " +
+                                str(block_size));
+  }
+  if (max_seq_len < 1 || max_seq_len > (int64_t{1} << 31) - block_size) {
+    throw std::invalid_argument("pagedkv: max_seq_len must be in [1, 2^31 - block_size], got " +
+                                str(max_seq_len));
+  }
+  // Slots (block * block_size + offset) travel as int32.
+  if (static_cast<int64_t>(num_blocks) * block_size > (int64_t{1} << 31) - 1) {
+    throw std::invalid_argument("pagedkv: num_blocks * block_size must be < 2^31 slots, got " +
+                                str(num_blocks) + " * " + str(block_size));
+  }
+  return block_size;
+}
+
+}  // namespace
+
+CacheManager::CacheManager(int32_t num_blocks, int32_t block_size, int64_t max_seq_len,
+                           bool prefix_caching)
+    : block_size_(checked_block_size(num_blocks, block_size, max_seq_len)),
+      max_seq_len_(max_seq_len),
+      max_blocks_per_seq_(static_cast<int32_t>((max_seq_len + block_size - 1) / block_size)),
+      prefix_caching_(prefix_caching),
+      allocator_(num_blocks, block_size, prefix_caching) {}
+
+Sequence& CacheManager::find(int64_t seq_id) {
+  const auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) throw UnknownSequence(seq_id);
+  return it->second;
+}
+
+const Sequence& CacheManager::sequence(int64_t seq_id) const {
+  const auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) throw UnknownSequence(seq_id);
+  return it->second;
+}
+
+std::vector<int64_t> CacheManager::sequence_ids() const {
+  std::vector<int64_t> ids;
+  ids.reserve(sequences_.size());
+  for (const auto& [id, seq] : sequences_) ids.push_back(id);
+  return ids;
+}
+
+Sequence& CacheManager::batch_member(int64_t seq_id, uint64_t mark) {
+  Sequence& seq = find(seq_id);
+  if (seq.batch_mark == mark) {
+    throw std::invalid_argument("pagedkv: sequence " + str(seq_id) +
+                                " appears twice in one batch; name each sequence once");
+  }
+  seq.batch_mark = mark;
+  return seq;
+}
+
+void CacheManager::check_free_blocks(int64_t needed, const char* what) const {
+  if (needed <= allocator_.num_free()) return;
+  throw CacheFull("pagedkv: cache full: " + std::string(what) + " needs " + str(needed) +
+                  " free blocks but only " + str(allocator_.num_free()) + " of " +
+                  str(allocator_.num_blocks()) + " are free (block_size " + str(block_size_) +
+                  "); free or preempt a sequence, or make the cache larger. Nothing was changed.");
+}
+
+void CacheManager::check_prompt(std::span<const int32_t> tokens) const {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n < 1) throw std::invalid_argument("pagedkv: a sequence needs at least one token, got none");
+  if (n > max_seq_len_) {
+    throw std::invalid_argument("pagedkv: a prompt of " + str(n) + " tokens is longer than max_seq_len " +
+                                str(max_seq_len_));
+  }
+  if (blocks_for(n) > allocator_.num_blocks()) {
+    throw std::invalid_argument("pagedkv: a prompt of " + str(n) + " tokens needs " +
+                                str(blocks_for(n)) + " blocks but the whole cache has " +
+                                str(allocator_.num_blocks()));
+  }
+}
+
+int32_t CacheManager::match_prefix(std::span<const int32_t> tokens, std::vector<uint64_t>& keys,
+                                   std::vector<int32_t>& hits) const {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (!prefix_caching_) return 0;
+  const int64_t num_full = n / block_size_;
+  const int64_t reusable = (n - 1) / block_size_;  // leave the last token to compute
+  uint64_t parent = kRootHash;
+  int32_t revived = 0;
+  for (int64_t i = 0; i < num_full; ++i) {
+    const int32_t* block_tokens = tokens.data() + i * block_size_;
+    keys.push_back(chain_hash(parent, block_tokens, block_size_));
+    if (i < reusable && static_cast<int64_t>(hits.size()) == i) {
+      const int32_t block = allocator_.find_cached(keys.back(), parent, block_tokens);
+      if (block != -1) {
+        hits.push_back(block);
+        revived += allocator_.ref_count(block) == 0;
+      }
+    }
+    parent = keys.back();
+  }
+  return revived;
+}
+
+int32_t CacheManager::blocks_needed_to_add(std::span<const int32_t> tokens) const {
+  std::vector<uint64_t> keys;
+  std::vector<int32_t> hits;
+  check_prompt(tokens);
+  const int32_t revived = match_prefix(tokens, keys, hits);
+  return blocks_for(static_cast<int64_t>(tokens.size())) - static_cast<int32_t>(hits.size()) + revived;
+}
+
+int64_t CacheManager::add_sequence(int64_t seq_id, std::span<const int32_t> tokens) {
+  if (contains(seq_id)) {
+    throw std::invalid_argument("pagedkv: sequence " + str(seq_id) +
+                                " is already in the cache; free it first or use another id");
+  }
+  std::vector<uint64_t> keys;
+  std::vector<int32_t> hits;
+  check_prompt(tokens);
+  const int32_t revived = match_prefix(tokens, keys, hits);
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  const int32_t num_blocks = blocks_for(n);
+  const int32_t num_hits = static_cast<int32_t>(hits.size());
+  check_free_blocks(num_blocks - num_hits + revived, "adding a sequence");
+
+  Sequence seq;
+  seq.blocks.reserve(num_blocks);
+  for (const int32_t block : hits) {
+    allocator_.add_ref(block);
+    seq.blocks.push_back(block);
+  }
+  while (static_cast<int32_t>(seq.blocks.size()) < num_blocks) seq.blocks.push_back(allocator_.allocate());
+  seq.num_tokens = n;
+  if (prefix_caching_) {
+    // New full blocks become findable now: their K/V are written by the step that computes them,
+    // before any attention of that step or a later one reads them.
+    const int32_t num_full = static_cast<int32_t>(keys.size());
+    for (int32_t i = num_hits; i < num_full; ++i) {
+      allocator_.register_full(seq.blocks[i], keys[i], i > 0 ? keys[i - 1] : kRootHash,
+                               tokens.data() + static_cast<int64_t>(i) * block_size_);
+    }
+    if (num_full > 0) seq.last_full_key = keys.back();
+    seq.tail_tokens.assign(tokens.begin() + static_cast<int64_t>(num_full) * block_size_, tokens.end());
+  }
+  sequences_.emplace(seq_id, std::move(seq));
+  return static_cast<int64_t>(num_hits) * block_size_;
+}
+
+CacheManager::AppendPlan CacheManager::plan_append(Sequence& seq, int64_t seq_id, int64_t n,
+                                                   std::unordered_map<int32_t, int32_t>& unref) const {
+  if (n < 0) throw std::invalid_argument("pagedkv: cannot append " + str(n) + " tokens");
+  if (seq.num_tokens + n > max_seq_len_) {
+    throw std::invalid_argument("pagedkv: sequence " + str(seq_id) + " has " + str(seq.num_tokens) +
+                                " tokens; " + str(n) + " more would pass max_seq_len " +
+                                str(max_seq_len_));
+  }
+  AppendPlan plan{&seq, false, blocks_for(seq.num_tokens + n) - blocks_for(seq.num_tokens)};
+  if (n > 0 && seq.num_tokens % block_size_ != 0) {
+    const int32_t last = seq.blocks.back();
+    if (allocator_.ref_count(last) > 1) {
+      // Earlier members of this batch that copied away from `last` no longer own it.
+      int32_t& moved_off = unref[last];
+      plan.copy_last = allocator_.ref_count(last) - moved_off > 1;
+      moved_off += plan.copy_last;
+    }
+  }
+  return plan;
+}
+
+int32_t CacheManager::blocks_needed_to_append(std::span<const int64_t> seq_ids, int64_t tokens_each) {
+  const uint64_t mark = new_batch_mark();
+  unref_scratch_.clear();
+  int64_t needed = 0;
+  for (const int64_t id : seq_ids) {
+    const AppendPlan plan = plan_append(batch_member(id, mark), id, tokens_each, unref_scratch_);
+    needed += plan.copy_last + plan.new_blocks;
+  }
+  return static_cast<int32_t>(needed);
+}
+
+void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n, const int32_t* tokens,
+                                std::vector<BlockCopy>& copies) {
+  if (plan.copy_last) {
+    const int32_t src = seq.blocks.back();
+    const int32_t dst = allocator_.allocate();
+    allocator_.release(src);  // still owned by the sequences it is shared with
+    seq.blocks.back() = dst;
+    copies.push_back({src, dst});
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (seq.num_tokens % block_size_ == 0) seq.blocks.push_back(allocator_.allocate());
+    ++seq.num_tokens;
+    if (!prefix_caching_ || !seq.keyable) continue;
+    seq.tail_tokens.push_back(tokens[i]);
+    if (static_cast<int32_t>(seq.tail_tokens.size()) == block_size_) {
+      const uint64_t key = chain_hash(seq.last_full_key, seq.tail_tokens.data(), block_size_);
+      allocator_.register_full(seq.blocks.back(), key, seq.last_full_key, seq.tail_tokens.data());
+      seq.last_full_key = key;
+      seq.tail_tokens.clear();
+    }
+  }
+}
+
+void CacheManager::append_tokens(int64_t seq_id, std::span<const int32_t> tokens,
+                                 std::vector<BlockCopy>& copies) {
+  Sequence& seq = find(seq_id);
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  unref_scratch_.clear();
+  const AppendPlan plan = plan_append(seq, seq_id, n, unref_scratch_);
+  check_free_blocks(plan.copy_last + plan.new_blocks, "appending to a sequence");
+  write_tokens(seq, plan, n, tokens.data(), copies);
+}
+
+void CacheManager::reserve(int64_t seq_id, int64_t num_tokens, std::vector<BlockCopy>& copies) {
+  Sequence& seq = find(seq_id);
+  unref_scratch_.clear();
+  const AppendPlan plan = plan_append(seq, seq_id, num_tokens, unref_scratch_);
+  check_free_blocks(plan.copy_last + plan.new_blocks, "reserving slots for a sequence");
+  if (num_tokens == 0) return;
+  // Blocks holding tokens not known yet can never be keyed, nor can any block after them.
+  seq.keyable = false;
+  seq.tail_tokens.clear();
+  write_tokens(seq, plan, num_tokens, nullptr, copies);
+}
+
+void CacheManager::append_batch(std::span<const int64_t> seq_ids, std::span<const int32_t> tokens,
+                                std::vector<BlockCopy>& copies) {
+  if (seq_ids.size() != tokens.size()) {
+    throw std::invalid_argument("pagedkv: append_batch takes one token per sequence: got " +
+                                str(seq_ids.size()) + " sequence ids and " + str(tokens.size()) +
+                                " tokens");
+  }
+  const uint64_t mark = new_batch_mark();
+  unref_scratch_.clear();
+  plans_scratch_.clear();
+  int64_t needed = 0;
+  for (const int64_t id : seq_ids) {
+    plans_scratch_.push_back(plan_append(batch_member(id, mark), id, 1, unref_scratch_));
+    needed += plans_scratch_.back().copy_last + plans_scratch_.back().new_blocks;
+  }
+  check_free_blocks(needed, "appending a token to each sequence of the batch");
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    write_tokens(*plans_scratch_[i].seq, plans_scratch_[i], 1, &tokens[i], copies);
+  }
+}
+
+void CacheManager::fork(int64_t parent_id, int64_t child_id) {
+  const Sequence& parent = sequence(parent_id);
+  if (contains(child_id)) {
+    throw std::invalid_argument("pagedkv: cannot fork into sequence " + str(child_id) +
+                                ": it is already in the cache");
+  }
+  Sequence child = parent;
+  child.batch_mark = 0;
+  for (const int32_t block : child.blocks) allocator_.add_ref(block);
+  sequences_.emplace(child_id, std::move(child));
+}
+
+void CacheManager::free_sequence(int64_t seq_id) {
+  const auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) throw UnknownSequence(seq_id);
+  // Last block first: the LRU then evicts a freed prompt from its end, keeping the shared start.
+  const std::vector<int32_t>& blocks = it->second.blocks;
+  for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) allocator_.release(*b);
+  sequences_.erase(it);
+}
+
+}  // namespace pagedkv

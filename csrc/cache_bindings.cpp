@@ -1,0 +1,183 @@
+// pagedkv._C.CacheManager, StepLayout and CacheFull: the torch-free cache core (csrc/cache/) seen
+// from Python. Only ints, lists and tensors cross; the typed face is python/pagedkv/_C.pyi.
+#include "cache_bindings.h"
+
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "cache/errors.h"
+#include "cache/step_metadata.h"
+
+namespace py = pybind11;
+
+namespace pagedkv {
+namespace {
+
+// Id and token lists arrive by the hundred every decode step; pybind11's generic list caster
+// spends ~30 ns an element on them, this C-API loop a few. Also takes a 1-D CPU integer tensor
+// (e.g. the sampled tokens, without a .tolist()).
+template <typename T>
+std::vector<T> read_ints(py::handle obj, const char* name) {
+  std::vector<T> out;
+  const auto store = [&](int64_t i, long long v) {
+    if (v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) {
+      throw std::invalid_argument(std::string("pagedkv: ") + name + "[" + std::to_string(i) + "] = " +
+                                  std::to_string(v) + " does not fit in " + (sizeof(T) == 4 ? "int32" : "int64"));
+    }
+    out[i] = static_cast<T>(v);
+  };
+  if (THPVariable_Check(obj.ptr())) {
+    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    TORCH_CHECK(t.dim() == 1 && t.device().is_cpu() && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
+                "pagedkv: ", name, " must be a list of ints or a 1-D CPU int32/int64 tensor, got a ",
+                t.scalar_type(), " tensor of shape ", t.sizes(), " on ", t.device());
+    const at::Tensor c = t.contiguous();
+    out.resize(c.numel());
+    for (int64_t i = 0; i < c.numel(); ++i) {
+      store(i, c.scalar_type() == at::kInt ? c.data_ptr<int32_t>()[i] : c.data_ptr<int64_t>()[i]);
+    }
+    return out;
+  }
+  const std::string error = std::string("pagedkv: ") + name + " must be a list of ints or a 1-D CPU integer tensor";
+  const py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(obj.ptr(), error.c_str()));
+  if (!seq) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long long v = PyLong_AsLongLong(items[i]);
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    store(i, v);
+  }
+  return out;
+}
+
+py::list copies_to_list(const std::vector<BlockCopy>& copies) {
+  py::list out;
+  for (const BlockCopy& c : copies) out.append(py::make_tuple(c.src, c.dst));
+  return out;
+}
+
+int32_t* step_buffer_data(const at::Tensor& buffer, const StepLayout& layout) {
+  TORCH_CHECK(buffer.scalar_type() == at::kInt && buffer.device().is_cpu() && buffer.is_contiguous() &&
+                  buffer.numel() >= layout.size,
+              "pagedkv: the step buffer must be a contiguous CPU int32 tensor of at least ",
+              layout.size, " elements (StepLayout.size); got ", buffer.scalar_type(), " on ",
+              buffer.device(), " with ", buffer.numel(), " elements");
+  return buffer.data_ptr<int32_t>();
+}
+
+}  // namespace
+
+void register_cache_bindings(py::module_& m) {
+  py::register_exception<CacheFull>(m, "CacheFull", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const UnknownSequence& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
+    }
+  });
+
+  py::class_<StepLayout>(m, "StepLayout")
+      .def(py::init<int32_t, int32_t, int32_t>(), py::arg("max_batch"), py::arg("max_tokens"),
+           py::arg("max_blocks_per_seq"))
+      .def_readonly("max_batch", &StepLayout::max_batch)
+      .def_readonly("max_tokens", &StepLayout::max_tokens)
+      .def_readonly("max_blocks_per_seq", &StepLayout::max_blocks_per_seq)
+      .def_readonly("context_lens", &StepLayout::context_lens)
+      .def_readonly("query_start_loc", &StepLayout::query_start_loc)
+      .def_readonly("slot_mapping", &StepLayout::slot_mapping)
+      .def_readonly("positions", &StepLayout::positions)
+      .def_readonly("block_tables", &StepLayout::block_tables)
+      .def_readonly("size", &StepLayout::size)
+      .def("used_size", &StepLayout::used_size, py::arg("padded_batch"));
+
+  py::class_<CacheManager>(m, "CacheManager")
+      .def(py::init<int32_t, int32_t, int64_t, bool>(), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("max_seq_len"), py::arg("enable_prefix_caching") = true)
+      .def("add_sequence",
+           [](CacheManager& self, int64_t seq_id, py::handle tokens) {
+             return self.add_sequence(seq_id, read_ints<int32_t>(tokens, "token_ids"));
+           },
+           py::arg("seq_id"), py::arg("token_ids"))
+      .def("append_tokens",
+           [](CacheManager& self, int64_t seq_id, py::handle tokens) {
+             std::vector<BlockCopy> copies;
+             self.append_tokens(seq_id, read_ints<int32_t>(tokens, "token_ids"), copies);
+             return copies_to_list(copies);
+           },
+           py::arg("seq_id"), py::arg("token_ids"))
+      .def("reserve",
+           [](CacheManager& self, int64_t seq_id, int64_t num_tokens) {
+             std::vector<BlockCopy> copies;
+             self.reserve(seq_id, num_tokens, copies);
+             return copies_to_list(copies);
+           },
+           py::arg("seq_id"), py::arg("num_tokens"))
+      .def("append_batch",
+           [](CacheManager& self, py::handle seq_ids, py::handle tokens) {
+             std::vector<BlockCopy> copies;
+             self.append_batch(read_ints<int64_t>(seq_ids, "seq_ids"), read_ints<int32_t>(tokens, "token_ids"),
+                               copies);
+             return copies_to_list(copies);
+           },
+           py::arg("seq_ids"), py::arg("token_ids"))
+      .def("fork", &CacheManager::fork, py::arg("parent_id"), py::arg("child_id"))
+      .def("free", &CacheManager::free_sequence, py::arg("seq_id"))
+      .def("blocks_needed_to_add",
+           [](const CacheManager& self, py::handle tokens) {
+             return self.blocks_needed_to_add(read_ints<int32_t>(tokens, "token_ids"));
+           },
+           py::arg("token_ids"))
+      .def("blocks_needed_to_append",
+           [](CacheManager& self, py::handle seq_ids, int64_t tokens_each) {
+             return self.blocks_needed_to_append(read_ints<int64_t>(seq_ids, "seq_ids"), tokens_each);
+           },
+           py::arg("seq_ids"), py::arg("num_tokens") = 1)
+      .def("can_allocate", &CacheManager::can_allocate, py::arg("num_blocks"))
+      .def("seq_len", [](const CacheManager& self, int64_t id) { return self.sequence(id).num_tokens; },
+           py::arg("seq_id"))
+      .def("block_table", [](const CacheManager& self, int64_t id) { return self.sequence(id).blocks; },
+           py::arg("seq_id"))
+      .def("__contains__", &CacheManager::contains, py::arg("seq_id"))
+      .def("__len__", &CacheManager::num_sequences)
+      .def("sequence_ids", &CacheManager::sequence_ids)
+      .def("ref_count",
+           [](const CacheManager& self, int32_t block) {
+             const int32_t n = self.allocator().num_blocks();
+             if (block < 0 || block >= n) {
+               throw std::invalid_argument("pagedkv: block " + std::to_string(block) +
+                                           " is not in [0, " + std::to_string(n) + ")");
+             }
+             return self.allocator().ref_count(block);
+           },
+           py::arg("block"))
+      .def("evictable_blocks", [](const CacheManager& self) { return self.allocator().evictable_blocks(); })
+      .def_property_readonly("num_blocks", [](const CacheManager& self) { return self.allocator().num_blocks(); })
+      .def_property_readonly("num_free_blocks", [](const CacheManager& self) { return self.allocator().num_free(); })
+      .def_property_readonly("num_evictable_blocks",
+                             [](const CacheManager& self) { return self.allocator().num_evictable(); })
+      .def_property_readonly("block_size", &CacheManager::block_size)
+      .def_property_readonly("max_seq_len", &CacheManager::max_seq_len)
+      .def_property_readonly("max_blocks_per_seq", &CacheManager::max_blocks_per_seq)
+      .def_property_readonly("enable_prefix_caching", &CacheManager::prefix_caching)
+      .def("build_step",
+           [](CacheManager& self, const StepLayout& layout, const at::Tensor& buffer, py::handle seq_ids,
+              py::handle query_lens, int32_t padded_batch) {
+             const std::vector<int32_t> lens =
+                 query_lens.is_none() ? std::vector<int32_t>() : read_ints<int32_t>(query_lens, "query_lens");
+             const StepSizes s = build_step_metadata(self, layout, read_ints<int64_t>(seq_ids, "seq_ids"), lens,
+                                                     padded_batch, step_buffer_data(buffer, layout));
+             return py::make_tuple(s.num_tokens, s.max_query_len, s.max_context_len);
+           },
+           py::arg("layout"), py::arg("buffer"), py::arg("seq_ids"), py::arg("query_lens"),
+           py::arg("padded_batch"));
+}
+
+}  // namespace pagedkv
