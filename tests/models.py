@@ -6,7 +6,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+_COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
@@ -17,8 +17,8 @@ ARCHITECTURES = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON)),  # QKV bias
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=32)),  # q/k norm
-    "qwen3_tied": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=128)),  # q/k norm
+    "qwen3_tied": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=128, tie_word_embeddings=True)),
     "mistral": lambda: MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=512)),
 }
 
@@ -26,9 +26,10 @@ ARCHITECTURES = {
 def tiny_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
     torch.manual_seed(seed)
     model = ARCHITECTURES[name]()
-    # Random init is small; widen the weights so logits are far from ties and tokens vary.
+    # Random init is small; widen the weights so logits are far from ties and tokens vary
+    # (std 0.3 per input unit keeps activations O(1) with hidden 256).
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.3)
+                p.normal_(0, 0.3 * 16 / p.shape[-1] ** 0.5)
     return model.to(device=device, dtype=dtype).eval()

@@ -5,6 +5,9 @@ from pagedkv import ops
 from pagedkv.cache import CacheFull, KVCache
 from pagedkv.cache_spec import KVCacheSpec
 from pagedkv.step_metadata import StepMetadata
+from pagedkv.generation_config import UnsupportedGenerationArgument
+from pagedkv.support import UnsupportedModel, supports, unsupported_reason
+from pagedkv.generate import generate, patch, unpatch
 
 __version__ = "0.1.0"
 
@@ -14,5 +17,6 @@ build_info: str = _C.build_info
 with_cuda: bool = _C.with_cuda
 """True when the CUDA kernels were compiled in."""
 
-__all__ = ["ops", "KVCache", "KVCacheSpec", "CacheFull", "StepMetadata", "build_info", "with_cuda",
-           "__version__"]
+__all__ = ["generate", "patch", "unpatch", "supports", "unsupported_reason", "UnsupportedModel",
+           "UnsupportedGenerationArgument", "ops", "KVCache", "KVCacheSpec", "CacheFull",
+           "StepMetadata", "build_info", "with_cuda", "__version__"]

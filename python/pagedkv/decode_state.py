@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from pagedkv.models.llama import StepMetadata
+from pagedkv.models.llama import ForwardMetadata
 
 
 @dataclasses.dataclass(slots=True)
@@ -43,8 +43,8 @@ class DecodeState:
             block_size=block_size,
         )
 
-    def metadata(self) -> StepMetadata:
-        return StepMetadata(positions=self.positions, slot_mapping=self.slot_mapping,
+    def metadata(self) -> ForwardMetadata:
+        return ForwardMetadata(positions=self.positions, slot_mapping=self.slot_mapping,
                             block_tables=self.block_tables, context_lens=self.context_lens)
 
     def advance(self, next_tokens: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from pagedkv.cache import KVCache
 from pagedkv.decode_state import DecodeState
 from pagedkv.generation_config import GenerationSettings
 from pagedkv.logits import apply_repetition_penalty, suppress_eos
-from pagedkv.models.llama import PagedDecoder, StepMetadata, extract_weights
+from pagedkv.models.llama import PagedDecoder, ForwardMetadata, extract_weights
 from pagedkv.rope import build_cos_sin_cache
 from pagedkv.support import check_supported
 
@@ -83,7 +83,9 @@ class ModelRunner:
         config = model.config
         self.weights = extract_weights(model)
         self.max_positions = int(config.max_position_embeddings)
-        self.cos_sin = build_cos_sin_cache(config, self.max_positions, self.device)
+        # [max_positions, Dh] fp32, from the model's own rotary embedding (exactly HF's cos/sin).
+        self.cos_sin = build_cos_sin_cache(config, self.max_positions, self.device,
+                                           rotary_emb=model.model.rotary_emb)
         self.cache: KVCache | None = None
         self.decoder: PagedDecoder | None = None
         self._graphs: dict[_SamplerKey, tuple[torch.cuda.CUDAGraph, DecodeState, _Sampler]] = {}
@@ -97,7 +99,7 @@ class ModelRunner:
             self.cache = KVCache(num_layers=len(w.layers), num_kv_heads=w.num_kv_heads,
                                  head_dim=w.head_dim, dtype=self.dtype, device=self.device,
                                  block_size=BLOCK_SIZE, num_blocks=num_blocks,
-                                 enable_prefix_caching=False)
+                                 max_seq_len=self.max_positions, enable_prefix_caching=False)
             self.decoder = PagedDecoder(w, self.cos_sin, self.cache.k_caches, self.cache.v_caches)
         return self.cache
 
@@ -145,7 +147,7 @@ class ModelRunner:
             ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
             positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens])
             slots = torch.cat([slots_of(table, n) for table, n in zip(tables, lens)])
-            meta = StepMetadata(positions=positions.to(dev), slot_mapping=slots.to(dev), prefill_lens=lens)
+            meta = ForwardMetadata(positions=positions.to(dev), slot_mapping=slots.to(dev), prefill_lens=lens)
             last_rows = torch.tensor(lens, device=dev).cumsum(0) - 1
             return self.decoder.forward(ids, meta, logits_rows=last_rows)
 

@@ -7,8 +7,8 @@ import torch
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rotary variants whose cos/sin depend only on the position (built once, up front); "dynamic"
-# rescales with the running sequence length, which a precomputed table cannot follow.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# and "longrope" change with the running sequence length, which a precomputed table cannot follow.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedModel(ValueError):

@@ -100,7 +100,7 @@ def extract_weights(model) -> DecoderWeights:
 
 
 @dataclasses.dataclass(slots=True)
-class StepMetadata:
+class ForwardMetadata:
     """Where one forward's tokens go and what they attend to. T new tokens, B sequences.
 
     Decode (one new token per sequence, T == B): attention reads each sequence's whole context
@@ -125,7 +125,7 @@ class PagedDecoder:
         self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
         self.v_caches = v_caches
 
-    def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
+    def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] -> logits [R, V] for the rows `logits_rows` [R] of the T tokens (all
         when None), in the model's dtype."""
@@ -155,7 +155,7 @@ class PagedDecoder:
         return ops.linear(hidden, w.lm_head)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   meta: StepMetadata) -> torch.Tensor:
+                   meta: ForwardMetadata) -> torch.Tensor:
         if meta.prefill_lens is None:
             return ops.paged_decode_attention(q, self.k_caches[layer], self.v_caches[layer],
                                               meta.block_tables, meta.context_lens, self.w.scale)
