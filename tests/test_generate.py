@@ -31,6 +31,15 @@ def test_greedy_matches_hf(arch, lengths):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("prompt, new", [(17, 16), (16, 16), (1, 15), (15, 1)])
+def test_block_boundaries(prompt, new):
+    """Prompt + new tokens ending exactly on (or next to) a 16-token block boundary."""
+    model = tiny_model("llama")
+    ids, _ = left_padded_batch([prompt], model.config.vocab_size, "cpu")
+    kwargs = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
+    assert torch.equal(pagedkv.generate(model, ids, **kwargs), model.generate(ids, **kwargs))
+
+
 def test_eos_stops_and_pads_like_hf():
     model = tiny_model("qwen2")
     ids, mask = left_padded_batch([6, 11, 3], model.config.vocab_size, "cpu")

@@ -118,13 +118,14 @@ class ModelRunner:
         if longest > self.max_positions:
             raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
                              f"max_position_embeddings is {self.max_positions}")
-        # The last token sampled is never fed back, so each row needs len + max_new - 1 slots.
-        lengths = [len(p) + max_new - 1 for p in prompts]
+        # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
+        # step advances to (never run) inside the row's blocks, so no step indexes past them.
+        lengths = [len(p) + max_new for p in prompts]
         blocks_per_row = [math.ceil(n / BLOCK_SIZE) for n in lengths]
         cache = self._ensure_cache(sum(blocks_per_row))
         seq_ids = list(range(batch))
         try:
-            tables = self._reserve(cache, seq_ids, prompts, max_new - 1)
+            tables = self._reserve(cache, seq_ids, prompts, max_new)
             return self._run(prompts, input_ids, settings, streamer, tables, graphs)
         finally:
             for sid in seq_ids:
