@@ -142,6 +142,21 @@ def test_bad_inputs_are_named():
         pagedkv.generate(model, ids[:, :0], max_new_tokens=2)
 
 
+def test_padding_rows_of_a_bucket_are_inert():
+    """A batch of 3 in a 4-row bucket (CUDA graphs pad to buckets): the spare row must not
+    index anything. Exercised on the CPU through the eager path with a padded state."""
+    from pagedkv.decode_state import DecodeState
+
+    state = DecodeState.allocate(4, 2, None, 16, torch.device("cpu"))
+    state.block_tables[:3] = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    lens = torch.tensor([5, 17, 9, 0], dtype=torch.int32)
+    state.positions.copy_((lens - 1).clamp(min=0))
+    state.context_lens.copy_(lens)
+    state.advance(torch.tensor([7, 8, 9, 0]))
+    assert state.slot_mapping.tolist() == [5, 3 * 16 + 1, 4 * 16 + 9, -1]
+    assert state.context_lens.tolist() == [6, 18, 10, 0]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("graphs", [False, True])

@@ -200,7 +200,9 @@ class ModelRunner:
             lens = torch.zeros(rows, dtype=torch.int32)
             lens[:batch] = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
             state.block_tables.copy_(table_host)
-            state.positions.copy_(lens - 1)  # advance() below moves every live row one on
+            # advance() below moves every live row one on; padding rows (bucket rows past the
+            # batch) stay at position 0 with context 0: skipped by the kernels.
+            state.positions.copy_((lens - 1).clamp(min=0))
             state.context_lens.copy_(lens)
             state.generated.zero_()
             state.offsets.zero_()
