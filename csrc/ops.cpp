@@ -11,6 +11,9 @@ TORCH_LIBRARY(pagedkv, m) {
   // out = x @ weight^T + bias; decode-sized x (<= 2 rows, 16-bit) streams the weight in a kernel
   // of ours at memory bandwidth, anything larger goes to cuBLAS.
   m.def("linear(Tensor! out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  // out = silu(x @ gate^T) * (x @ up^T), gate_up = [gate; up] rows: the MLP's first half in one
+  // op (one weight-streaming kernel for <= 2 rows of x; cuBLAS + silu_and_mul beyond).
+  m.def("gate_up_silu(Tensor! out, Tensor x, Tensor gate_up) -> ()");
   // out[b, h] = softmax(scale * q[b, h] . K) V over the context_lens[b] tokens block_tables[b] maps
   // to in k_cache/v_cache; workspace: fp32 split partials; num_splits 0: paged_decode_num_splits.
   m.def("paged_decode_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "

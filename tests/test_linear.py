@@ -82,3 +82,33 @@ def test_captured_in_cuda_graph():
     out.fill_(float("nan"))
     graph.replay()
     assert_close_to_baseline(out, F.linear(x, weight), reference(x, weight, None))
+
+
+def reference_gate_up_silu(x, gate_up):
+    """HF's MLP first half in x's dtype: act_fn(gate_proj(x)) * up_proj(x)."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("i, k", [(64, 64), (1000, 256), (18944, 3584)])
+def test_gate_up_silu(device, dtype, rows, i, k):
+    if device == "cpu" and i * k > 1 << 20:
+        pytest.skip("CPU covers the small shapes; the large one exercises the CUDA kernel")
+    x = torch.randn(rows, k, dtype=dtype, device=device)
+    gate_up = torch.randn(2 * i, k, dtype=dtype, device=device) / k**0.5
+    out = torch.full((rows, i), float("nan"), dtype=dtype, device=device)
+    ops.gate_up_silu(x, gate_up, out=out)
+    assert_close_to_baseline(out, reference_gate_up_silu(x, gate_up),
+                             reference_gate_up_silu(x.double(), gate_up.double()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gate_up_silu_bad_calls(device):
+    x = torch.randn(2, 64, device=device)
+    with pytest.raises(RuntimeError, match=r"gate_up must be \[2 \* intermediate, k\]"):
+        ops.gate_up_silu(x, torch.randn(31, 64, device=device))
+    with pytest.raises(RuntimeError, match=r"out must have shape \[2, 16\]"):
+        ops.gate_up_silu(x, torch.randn(32, 64, device=device), out=torch.empty(2, 32, device=device))

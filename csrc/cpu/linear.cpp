@@ -2,6 +2,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "linear_checks.h"
 
 namespace pagedkv {
@@ -19,6 +21,19 @@ void linear_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-TORCH_LIBRARY_IMPL(pagedkv, CPU, m) { m.impl("linear", &linear_cpu); }
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x);  // cpu/activation.cpp
+
+void gate_up_silu_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up) {
+  check_gate_up_silu_args(out, x, gate_up);
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  std::vector<int64_t> gate_up_shape = out.sizes().vec();  // [..., 2 * i]
+  gate_up_shape.back() *= 2;
+  silu_and_mul_cpu(out, at::mm(x2, gate_up.t()).view(gate_up_shape));
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("linear", &linear_cpu);
+  m.impl("gate_up_silu", &gate_up_silu_cpu);
+}
 
 }  // namespace pagedkv

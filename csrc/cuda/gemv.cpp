@@ -12,6 +12,12 @@ namespace {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The weight-streaming kernel takes <= kGemvMaxRows rows of 16-bit x with 16-byte rows.
+bool fits_gemv_kernel(const at::Tensor& x2, const at::Tensor& weight) {
+  return x2.size(0) <= kernels::kGemvMaxRows && x2.element_size() == 2 && x2.size(1) % 8 == 0 &&
+         x2.stride(0) % 8 == 0 && aligned16(x2.data_ptr()) && aligned16(weight.data_ptr());
+}
+
 }  // namespace
 
 void linear_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -24,11 +30,7 @@ void linear_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   const int64_t m = x.numel() / k;
   const at::Tensor x2 = x.reshape({m, k});  // a view: the last dim is contiguous (checked)
   at::Tensor out2 = out.view({m, n});
-  const bool kernel_fits = m <= kernels::kGemvMaxRows && x.element_size() == 2 && k % 8 == 0 &&
-                           x2.stride(0) % 8 == 0 && aligned16(x2.data_ptr()) &&
-                           aligned16(weight.data_ptr()) &&
-                           true;  // bias is read one element at a time: any alignment
-  if (kernel_fits) {
+  if (fits_gemv_kernel(x2, weight)) {  // bias is read one element at a time: any alignment
     C10_CUDA_CHECK(kernels::gemv(out2.data_ptr(), x2.const_data_ptr(), x2.stride(0),
                                  weight.const_data_ptr(), bias ? bias->const_data_ptr() : nullptr,
                                  static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
@@ -40,6 +42,31 @@ void linear_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) { m.impl("linear", &linear_cuda); }
+void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& x);  // cuda/activation.cpp
+
+void gate_up_silu_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up) {
+  check_gate_up_silu_args(out, x, gate_up);
+  check_cuda(x, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t k = x.size(-1);
+  const int64_t i = gate_up.size(0) / 2;
+  const int64_t m = x.numel() / k;
+  const at::Tensor x2 = x.reshape({m, k});
+  if (fits_gemv_kernel(x2, gate_up)) {
+    C10_CUDA_CHECK(kernels::gemv_silu_mul(out.data_ptr(), x2.const_data_ptr(), x2.stride(0),
+                                          gate_up.const_data_ptr(), static_cast<int>(m),
+                                          static_cast<int>(i), static_cast<int>(k),
+                                          kernel_dtype(x), c10::cuda::getCurrentCUDAStream()));
+  } else {
+    std::vector<int64_t> gate_up_shape = out.sizes().vec();  // [..., 2 * i]
+    gate_up_shape.back() *= 2;
+    silu_and_mul_cuda(out, at::mm(x2, gate_up.t()).view(gate_up_shape));
+  }
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
+  m.impl("linear", &linear_cuda);
+  m.impl("gate_up_silu", &gate_up_silu_cuda);
+}
 
 }  // namespace pagedkv

@@ -1,26 +1,15 @@
-// out = silu(gate) * up with HF's rounding: `act_fn(gate_proj(x)) * up_proj(x)` rounds silu(gate)
-// to the model dtype, then rounds the product. silu is computed as torch's CUDA kernel does,
-// x / (1 + expf(-x)) in fp32 with IEEE division and libdevice's accurate expf (__nv_expf), which
-// --use_fast_math would otherwise replace by the approximate __expf.
+// out = silu(gate) * up with HF's rounding (kernels/silu.cuh), 16-byte accesses when aligned.
 #include <algorithm>
 #include <cstdint>
 
 #include "kernels/activation.h"
 #include "kernels/common.cuh"
-
-extern "C" __device__ float __nv_expf(float);
+#include "kernels/silu.cuh"
 
 namespace pagedkv::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T>
-__device__ __forceinline__ T silu_mul(T gate, T up) {
-  const float g = to_float(gate);
-  const T silu = from_float<T>(__fdiv_rn(g, __fadd_rn(1.f, __nv_expf(-g))));
-  return from_float<T>(__fmul_rn(to_float(silu), to_float(up)));
-}
 
 // Rows on grid.x (there may be many), kVec-element chunks of a row on grid.y x threads.
 template <typename T, int kVec>

@@ -1,13 +1,14 @@
 // Skinny GEMM (m <= kGemvMaxRows rows of activations) for decode steps: out[m, n] = x[m, k] @ W[n, k]^T.
 // The weight is the only large operand, so the kernel is a weight-streaming loop: each warp owns
-// kRowsPerWarp output columns (rows of W), each lane reads 16 bytes of each of those W rows per
-// iteration, kUnroll iterations in flight before the first use, and multiplies them with the
+// one output column (one row of W; two for the fused gate/up), each lane reads 16 bytes of each
+// of its W rows per iteration, kUnroll iterations in flight before the first use, and multiplies them with the
 // matching 16 bytes of every x row (x is small and stays in L1/L2). fp32 accumulation, one
 // warp-shuffle reduction per output, rounding once to the storage type (as cuBLAS does).
 #include <cstdint>
 
 #include "kernels/common.cuh"
 #include "kernels/gemv.h"
+#include "kernels/silu.cuh"
 
 namespace pagedkv::kernels {
 namespace {
@@ -39,16 +40,19 @@ __device__ __forceinline__ V load_streaming(const V* p) {
   return v;
 }
 
-// out [m, n], x [m, k] with row stride x_stride, weight [n, k], bias [n] or null.
-template <typename T, int kM, int kRowsPerWarp>
+// Plain: out [m, n] = x @ weight^T + bias, weight [n, k], one weight row per warp.
+// kSiluMul: weight is [2n, k] (gate rows, then up rows); the warp of output j reads rows j and
+// n + j and writes out [m, n] = silu(x @ gate^T) * (x @ up^T), each product rounded to T first,
+// as HF's MLP rounds gate_proj and up_proj outputs. x [m, k] has row stride x_stride.
+template <typename T, int kM, bool kSiluMul>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     gemv_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                 const T* __restrict__ weight, const T* __restrict__ bias, int n, int k) {
   using V = typename Pack8<T>::V;
   constexpr int kE = Pack8<T>::kElems;
+  constexpr int kRowsPerWarp = kSiluMul ? 2 : 1;
   const int lane = threadIdx.x % 32;
-  const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
-  const int row0 = warp * kRowsPerWarp;
+  const int row0 = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;  // the output column
   if (row0 >= n) return;
   const int chunks = k / kE;  // 16-byte chunks per row
 
@@ -61,8 +65,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const V* w_rows[kRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int row = min(row0 + r, n - 1);  // a clamped duplicate row is computed, not stored
-    w_rows[r] = reinterpret_cast<const V*>(weight + static_cast<int64_t>(row) * k);
+    w_rows[r] = reinterpret_cast<const V*>(weight + (static_cast<int64_t>(r) * n + row0) * k);
   }
 
   auto multiply = [&](const V (&w)[kRowsPerWarp], int c) {
@@ -95,34 +98,33 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
+  for (int i = 0; i < kM; ++i) {
+    float sums[kRowsPerWarp];
 #pragma unroll
-    for (int i = 0; i < kM; ++i) {
-      const float sum = warp_sum(acc[r][i]);
-      const int row = row0 + r;
-      if (lane == 0 && row < n) {
-        const float b = bias == nullptr ? 0.f : to_float(bias[row]);
-        out[static_cast<int64_t>(i) * n + row] = from_float<T>(sum + b);
-      }
+    for (int r = 0; r < kRowsPerWarp; ++r) sums[r] = warp_sum(acc[r][i]);
+    if (lane != 0) continue;
+    T* dst = out + static_cast<int64_t>(i) * n + row0;
+    if constexpr (kSiluMul) {
+      *dst = silu_mul(from_float<T>(sums[0]), from_float<T>(sums[1]));
+    } else {
+      const float b = bias == nullptr ? 0.f : to_float(bias[row0]);
+      *dst = from_float<T>(sums[0] + b);
     }
   }
 }
 
-template <typename T, int kM>
+// One warp per output column: the most warps in flight for the short matrices of small batches.
+template <typename T, int kM, bool kSiluMul>
 cudaError_t launch_m(T* out, const T* x, int64_t x_stride, const T* w, const T* bias, int n, int k,
                      cudaStream_t stream) {
-  // One W row per warp: the most warps in flight for the short matrices of small batches.
-  constexpr int kRows = 1;
-  const int warps = (n + kRows - 1) / kRows;
-  const int blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  gemv_kernel<T, kM, kRows><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(out, x, x_stride, w, bias, n, k);
+  const int blocks = (n + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  gemv_kernel<T, kM, kSiluMul><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(out, x, x_stride, w, bias, n, k);
   return cudaGetLastError();
 }
 
-}  // namespace
-
-cudaError_t gemv(void* out, const void* x, int64_t x_stride, const void* weight, const void* bias,
-                 int m, int n, int k, DType dtype, cudaStream_t stream) {
+template <bool kSiluMul>
+cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* weight, const void* bias,
+                   int m, int n, int k, DType dtype, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
@@ -134,12 +136,24 @@ cudaError_t gemv(void* out, const void* x, int64_t x_stride, const void* weight,
       auto* w = static_cast<const T*>(weight);
       auto* b = static_cast<const T*>(bias);
       switch (m) {
-        case 1: return launch_m<T, 1>(o, xs, x_stride, w, b, n, k, stream);
-        case 2: return launch_m<T, 2>(o, xs, x_stride, w, b, n, k, stream);
+        case 1: return launch_m<T, 1, kSiluMul>(o, xs, x_stride, w, b, n, k, stream);
+        case 2: return launch_m<T, 2, kSiluMul>(o, xs, x_stride, w, b, n, k, stream);
         default: return cudaErrorInvalidValue;
       }
     }
   });
+}
+
+}  // namespace
+
+cudaError_t gemv(void* out, const void* x, int64_t x_stride, const void* weight, const void* bias,
+                 int m, int n, int k, DType dtype, cudaStream_t stream) {
+  return launch<false>(out, x, x_stride, weight, bias, m, n, k, dtype, stream);
+}
+
+cudaError_t gemv_silu_mul(void* out, const void* x, int64_t x_stride, const void* gate_up, int m,
+                          int n, int k, DType dtype, cudaStream_t stream) {
+  return launch<true>(out, x, x_stride, gate_up, nullptr, m, n, k, dtype, stream);
 }
 
 }  // namespace pagedkv::kernels

@@ -18,4 +18,9 @@ constexpr int kGemvMaxRows = 2;
 cudaError_t gemv(void* out, const void* x, int64_t x_stride, const void* weight, const void* bias,
                  int m, int n, int k, DType dtype, cudaStream_t stream);
 
+// out: [m, n] = silu(x @ gate^T) * (x @ up^T) where gate_up: [2n, k] holds the gate rows then
+// the up rows (HF's MLP with fused gate/up weights, HF's rounding). Same conditions as gemv.
+cudaError_t gemv_silu_mul(void* out, const void* x, int64_t x_stride, const void* gate_up, int m,
+                          int n, int k, DType dtype, cudaStream_t stream);
+
 }  // namespace pagedkv::kernels

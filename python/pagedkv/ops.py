@@ -54,6 +54,19 @@ def linear(
     return out
 
 
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP's first half, HF's rounding: ``silu(x @ gate^T) * (x @ up^T)``.
+
+    x: [..., K] (last dim contiguous); gate_up: [2 * I, K], the gate rows then the up rows (the
+    fused weight); out: [..., I]. On CUDA, 1-2 rows of bf16/fp16 x run as one weight-streaming
+    kernel (no [.., 2 * I] intermediate, no second launch); otherwise a GEMM + silu_and_mul.
+    """
+    if out is None:
+        out = x.new_empty((*x.shape[:-1], gate_up.shape[0] // 2))
+    _ops.gate_up_silu(out, x, gate_up)
+    return out
+
+
 @torch.library.register_fake("pagedkv::rms_norm")
 def _rms_norm_fake(out, input, weight, epsilon) -> None:
     return None
@@ -61,6 +74,11 @@ def _rms_norm_fake(out, input, weight, epsilon) -> None:
 
 @torch.library.register_fake("pagedkv::linear")
 def _linear_fake(out, x, weight, bias) -> None:
+    return None
+
+
+@torch.library.register_fake("pagedkv::gate_up_silu")
+def _gate_up_silu_fake(out, x, gate_up) -> None:
     return None
 
 

@@ -5,7 +5,7 @@ One forward runs a flat batch of tokens: prefill chunks and decode tokens alike 
 metadata (slot_mapping, block tables, context lengths). Per layer:
 
     fused add+RMSNorm -> QKV GEMM (one weight) -> RoPE (+ Qwen3 q/k norm) + write K,V to the cache
-    -> attention -> O GEMM -> fused add+RMSNorm -> gate_up GEMM (one weight) -> SiLU*mul -> down GEMM
+    -> attention -> O GEMM -> fused add+RMSNorm -> gate_up GEMM (one weight) + SiLU*mul -> down GEMM
 
 QKV and gate/up are fused ONCE without extra memory: the fused tensor is allocated, the HF
 weights are copied in, and HF's parameters are re-pointed to views of it. The HF model keeps
@@ -147,7 +147,7 @@ class PagedDecoder:
             attn = self._attention(i, q, k, v, meta)  # [T, Hq, Dh]
             hidden = ops.linear(attn.view(num_tokens, q_size), layer.o)
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, w.eps)
-            act = ops.silu_and_mul(ops.linear(hidden, layer.gate_up))  # [T, I]
+            act = ops.gate_up_silu(hidden, layer.gate_up)  # [T, I]
             hidden = ops.linear(act, layer.down)
         ops.fused_add_rms_norm(hidden, residual, w.final_norm, w.eps)
         if logits_rows is not None:
