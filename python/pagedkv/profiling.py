@@ -1,0 +1,192 @@
+"""Where a decode step's time goes, from torch.profiler (Kineto) traces: the numbers
+`python -m pagedkv.profile` prints side by side for HF and pagedkv.
+
+Per-step numbers come from two profiled runs of the same generate call, with `short` and `long`
+new tokens: (long - short) / (long - short steps), so the prefill and the per-call set-up cancel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+# Host calls that wait for the device.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+PHASES = ("prefill", "decode_step", "sample", "metadata", "cache_update")
+
+
+@dataclasses.dataclass(slots=True)
+class RunTrace:
+    """What one profiled generate call did."""
+
+    wall_ms: float
+    kernel_ms: float  # sum of GPU kernel durations (CPU: time of the top-level ops)
+    busy_ms: float  # union of GPU kernel intervals (CPU: = kernel_ms)
+    kernels: int  # GPU kernel launches, graph-replayed ones included (CPU: top-level ops)
+    allocs: int  # allocations of the caching allocator (CPU: ops that allocated)
+    alloc_bytes: int
+    syncs: int  # host calls that wait for the device
+    kernel_table: dict[str, tuple[float, int]]  # name -> (ms, calls)
+    phases_ms: dict[str, float]  # record_function label -> host ms
+
+
+@dataclasses.dataclass(slots=True)
+class StepProfile:
+    """Per decode step, the difference of a long and a short run divided by the extra steps."""
+
+    system: str
+    wall_ms: float
+    kernel_ms: float
+    gap_ms: float  # wall time with no kernel running
+    gap_share: float
+    kernels: float
+    allocs: float
+    alloc_bytes: float
+    syncs: float
+    top_kernels: list[tuple[str, float, float]]  # (name, ms per step, calls per step)
+    phases_ms: dict[str, float]
+
+
+def _is_op(name: str) -> bool:
+    return name.startswith(("aten::", "pagedkv::"))
+
+
+def _is_top_level_op(e) -> bool:
+    """A CPU op not called from inside another op: its total time is the work it stands for."""
+    return e.device_type == torch.autograd.DeviceType.CPU and _is_op(e.name) and (
+        e.cpu_parent is None or not _is_op(e.cpu_parent.name))
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total / 1e3
+
+
+@contextlib.contextmanager
+def label_hf_cache_updates():
+    """Wraps HF's DynamicCache layer updates in record_function("cache_update") while active."""
+    from transformers import cache_utils
+
+    layer_cls = getattr(cache_utils, "DynamicLayer", None)
+    if layer_cls is None:
+        yield
+        return
+    original = layer_cls.update
+
+    def update(self, *args, **kwargs):
+        with record_function("cache_update"):
+            return original(self, *args, **kwargs)
+
+    layer_cls.update = update
+    try:
+        yield
+    finally:
+        layer_cls.update = original
+
+
+def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | None = None) -> RunTrace:
+    """Profile one call of fn (already warmed up)."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
+    with profile(activities=activities, profile_memory=not cuda) as prof:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    events = prof.events()
+    kernel_table: dict[str, tuple[float, int]] = {}
+    intervals = []
+    phases = {p: 0.0 for p in PHASES}
+    syncs = 0
+    for e in events:
+        if e.name in phases:
+            phases[e.name] += (e.time_range.end - e.time_range.start) / 1e3
+        if any(e.name.startswith(s) for s in SYNC_CALLS) and e.device_type == torch.autograd.DeviceType.CPU:
+            syncs += 1
+        if cuda and e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name \
+                and "Memset" not in e.name:
+            ms = (e.time_range.end - e.time_range.start) / 1e3
+            intervals.append((e.time_range.start, e.time_range.end))
+        elif not cuda and _is_top_level_op(e):
+            ms = e.cpu_time_total / 1e3
+        else:
+            continue
+        total, calls = kernel_table.get(e.name, (0.0, 0))
+        kernel_table[e.name] = (total + ms, calls + 1)
+    kernel_ms = sum(ms for ms, _ in kernel_table.values())
+    kernels = sum(calls for _, calls in kernel_table.values())
+    if cuda:
+        after = torch.cuda.memory_stats()
+        allocs = after.get("allocation.all.allocated", 0) - before.get("allocation.all.allocated", 0)
+        alloc_bytes = (after.get("allocated_bytes.all.allocated", 0)
+                       - before.get("allocated_bytes.all.allocated", 0))
+        busy_ms = _union_ms(intervals)
+    else:
+        allocating = [e for e in events if e.self_cpu_memory_usage > 0]
+        allocs = len(allocating)
+        alloc_bytes = sum(e.self_cpu_memory_usage for e in allocating)
+        busy_ms = kernel_ms
+    return RunTrace(wall_ms, kernel_ms, busy_ms, kernels, allocs, alloc_bytes, syncs, kernel_table, phases)
+
+
+def per_step(system: str, short: RunTrace, long: RunTrace, extra_steps: int, top: int = 8) -> StepProfile:
+    """The steady-state decode step: (long - short) / extra_steps for every number."""
+    d = float(extra_steps)
+    wall = (long.wall_ms - short.wall_ms) / d
+    busy = (long.busy_ms - short.busy_ms) / d
+    gap = max(wall - busy, 0.0)
+    rows = []
+    for name, (ms, calls) in long.kernel_table.items():
+        ms0, calls0 = short.kernel_table.get(name, (0.0, 0))
+        rows.append((name, (ms - ms0) / d, (calls - calls0) / d))
+    rows.sort(key=lambda r: -r[1])
+    return StepProfile(
+        system=system, wall_ms=wall, kernel_ms=(long.kernel_ms - short.kernel_ms) / d, gap_ms=gap,
+        gap_share=gap / wall if wall > 0 else float("nan"),
+        kernels=(long.kernels - short.kernels) / d, allocs=(long.allocs - short.allocs) / d,
+        alloc_bytes=(long.alloc_bytes - short.alloc_bytes) / d, syncs=(long.syncs - short.syncs) / d,
+        top_kernels=rows[:top],
+        phases_ms={p: (long.phases_ms[p] - short.phases_ms[p]) / d for p in PHASES},
+    )
+
+
+def side_by_side(profiles: list[StepProfile]) -> str:
+    """A plain-text table, one column per system."""
+    def fmt(v: float, spec: str = ".3g") -> str:
+        return format(v, spec)
+
+    rows = [
+        ("wall ms / step", [fmt(p.wall_ms) for p in profiles]),
+        ("kernel ms / step", [fmt(p.kernel_ms) for p in profiles]),
+        ("idle gap ms / step", [fmt(p.gap_ms) for p in profiles]),
+        ("idle gap share", [f"{100 * p.gap_share:.1f}%" for p in profiles]),
+        ("kernel launches / step", [fmt(p.kernels, ".1f") for p in profiles]),
+        ("allocations / step", [fmt(p.allocs, ".1f") for p in profiles]),
+        ("allocated bytes / step", [fmt(p.alloc_bytes, ".3g") for p in profiles]),
+        ("host syncs / step", [fmt(p.syncs, ".2f") for p in profiles]),
+    ]
+    rows += [(f"phase {name} ms / step", [fmt(p.phases_ms[name]) for p in profiles]) for name in PHASES]
+    width = max(len(r[0]) for r in rows) + 2
+    cols = [max(18, len(p.system) + 2) for p in profiles]
+    lines = ["".ljust(width) + "".join(p.system.rjust(c) for p, c in zip(profiles, cols))]
+    lines += [name.ljust(width) + "".join(v.rjust(c) for v, c in zip(values, cols)) for name, values in rows]
+    for p in profiles:
+        lines.append(f"\ntop kernels per step, {p.system}:")
+        lines += [f"  {ms:8.3f} ms  {calls:6.1f} x  {name[:90]}" for name, ms, calls in p.top_kernels]
+    return "\n".join(lines)

@@ -1,0 +1,26 @@
+"""python -m pagedkv.profile on the CPU with a tiny model: the table, the JSON and the traces."""
+
+from __future__ import annotations
+
+import json
+
+from pagedkv import profile
+
+
+def test_profile_cli_compares_with_hf(tmp_path, capsys):
+    profiles = profile.main(["--model", "tiny", "--batch", "2", "--prompt", "12", "--new", "4",
+                             "--device", "cpu", "--out", str(tmp_path)])
+    ours, hf = profiles
+    printed = capsys.readouterr().out
+    for row in ("wall ms / step", "idle gap share", "kernel launches / step", "host syncs / step",
+                "top kernels per step, HF generate"):
+        assert row in printed
+    assert ours.system == "pagedkv" and hf.system == "HF generate"
+    assert ours.kernels > 0 and hf.kernels > 0 and ours.wall_ms > 0
+    assert ours.phases_ms["decode_step"] > 0  # pagedkv's labels are in the trace
+    assert hf.phases_ms["cache_update"] > 0  # HF's DynamicCache updates were labelled
+    assert any(name.startswith("pagedkv::") for name, _, _ in ours.top_kernels)
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    assert [p["system"] for p in saved["profiles"]] == ["pagedkv", "HF generate"]
+    assert (tmp_path / "trace_pagedkv.json").stat().st_size > 0
+    assert (tmp_path / "trace_hf.json").stat().st_size > 0
