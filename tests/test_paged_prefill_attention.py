@@ -299,3 +299,30 @@ def test_cuda_rejects_device_mix():
     batch["query_start_loc"] = batch["query_start_loc"].cpu()
     with pytest.raises(RuntimeError, match=r"query_start_loc is on cpu but q is on cuda:0"):
         ops.paged_prefill_attention(*batch.values(), 0.1, 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_sequences_and_rows_outside_every_sequence(device):
+    """Twenty sequences of random mixed lengths (the CUDA grid follows the batch's tokens, each
+    CTA finds its sequence by binary search); q rows before query_start_loc[0] and after the last
+    sequence are left as they were."""
+    gen = torch.Generator().manual_seed(1)
+    seqs = []
+    for _ in range(20):
+        q_len = [0, 1, 1, 3, 17, 40, 65][int(torch.randint(7, (1,), generator=gen))]
+        seqs.append((q_len, q_len + int(torch.randint(0, 90, (1,), generator=gen))))
+    dtype = torch.float16 if device == "cuda" else torch.float32  # CPU fp16 matmuls are slow
+    batch = make_batch(seqs, 8, 2, 64, 16, dtype, device)
+    lead, trail = 5, 7
+    q = batch["q"]
+    batch["q"] = torch.cat([q.new_zeros(lead, *q.shape[1:]), q, q.new_zeros(trail, *q.shape[1:])])
+    batch["query_start_loc"] += lead
+    out = torch.full_like(batch["q"], float("nan"))
+    args = list(batch.values())
+    ops.paged_prefill_attention(*args, 0.125, max(n for n, _ in seqs), out=out)
+    assert out[:lead].isnan().all() and out[-trail:].isnan().all()
+    assert_close_to_baseline(
+        out[lead:-trail],
+        baseline=reference_paged_prefill(*args, 0.125, dtype=dtype)[lead:-trail],
+        reference=reference_paged_prefill(*args, 0.125, dtype=torch.float64)[lead:-trail],
+    )

@@ -46,6 +46,7 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
   args.out_stride_h = out.stride(1);
   args.q_stride_t = q.stride(0);
   args.q_stride_h = q.stride(1);
+  args.num_tokens = static_cast<int>(q.size(0));
   args.batch = static_cast<int>(block_tables.size(0));
   args.num_q_heads = static_cast<int>(q.size(1));
   args.num_kv_heads = static_cast<int>(k_cache.size(2));

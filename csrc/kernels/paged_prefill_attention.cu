@@ -3,8 +3,9 @@
 // so each K/V tile read into shared memory through the block table serves the whole group (GQA).
 // The CTA walks the context's keys up to its last token's position with an fp32 online softmax.
 // bf16/fp16 run on tensor cores (paged_prefill_mma.cuh), fp32 on CUDA cores
-// (paged_prefill_simt.cuh). Tiles are ordered latest first (they have the most keys), so the
-// long CTAs start in the first wave.
+// (paged_prefill_simt.cuh). The grid follows the batch's tokens (flat tiles, see cta_work), and
+// tiles are ordered latest first (they have the most keys), so the long CTAs start first.
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/paged_prefill_attention.h"
@@ -50,7 +51,9 @@ cudaError_t launch(const PagedPrefillArgs& a, const Plan& plan, int64_t ctas, cu
 }  // namespace
 
 cudaError_t paged_prefill_attention(const PagedPrefillArgs& a, DType dtype, cudaStream_t stream) {
-  if (a.batch == 0 || a.num_q_heads == 0 || a.max_query_len == 0) return cudaSuccess;
+  if (a.batch == 0 || a.num_q_heads == 0 || a.num_tokens == 0 || a.max_query_len == 0) {
+    return cudaSuccess;
+  }
   if (a.max_query_len < 0 || a.max_blocks < 1 || a.num_kv_heads < 1 ||
       a.num_q_heads % a.num_kv_heads != 0) {
     return cudaErrorInvalidValue;
@@ -60,12 +63,17 @@ cudaError_t paged_prefill_attention(const PagedPrefillArgs& a, DType dtype, cuda
   plan.head_chunks = (plan.group_size + prefill::kMaxChunkHeads - 1) / prefill::kMaxChunkHeads;
   plan.chunk_heads = (plan.group_size + plan.head_chunks - 1) / plan.head_chunks;
   plan.tokens_per_tile = prefill::kRows / plan.chunk_heads;
-  plan.tiles = (a.max_query_len + plan.tokens_per_tile - 1) / plan.tokens_per_tile;
+  // Flat tiles (cta_work): at most num_tokens / tokens_per_tile + batch in all, and at most
+  // ceil(max_query_len / tokens_per_tile) + 1 per sequence; whichever bound is smaller.
+  const int64_t by_tokens = a.num_tokens / plan.tokens_per_tile + a.batch;
+  const int64_t by_length =
+      static_cast<int64_t>(a.batch) * ((a.max_query_len + plan.tokens_per_tile - 1) / plan.tokens_per_tile + 1);
+  const int64_t tiles = std::min(by_tokens, by_length);
   plan.block_shift = log2_exact(a.block_size);
   plan.max_tokens = a.max_blocks * a.block_size;
-  const int64_t ctas =
-      static_cast<int64_t>(a.batch) * a.num_kv_heads * plan.head_chunks * plan.tiles;
+  const int64_t ctas = tiles * a.num_kv_heads * plan.head_chunks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  plan.tiles = static_cast<int>(tiles);
 
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

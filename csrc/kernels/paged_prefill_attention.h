@@ -22,8 +22,9 @@ struct PagedPrefillArgs {
   const int* query_start_loc;  // [batch + 1]: sequence b's new tokens are rows [qsl[b], qsl[b+1])
   int64_t out_stride_t, out_stride_h;
   int64_t q_stride_t, q_stride_h;
+  int num_tokens;              // rows of q; query_start_loc[batch] <= num_tokens
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  int max_query_len;           // host upper bound of qsl[b+1] - qsl[b]: rows past it not computed
+  int max_query_len;           // host upper bound of qsl[b+1] - qsl[b] (with num_tokens, sizes the grid)
   float scale;
 };
 

@@ -27,7 +27,7 @@ struct Plan {
   int head_chunks;      // CTAs that split one kv head's group of query heads
   int chunk_heads;      // query heads per chunk (the last chunk may have fewer)
   int tokens_per_tile;  // kRows / chunk_heads
-  int tiles;            // ceil(max_query_len / tokens_per_tile)
+  int tiles;            // query tiles of the whole batch (see cta_work)
   int block_shift;      // log2(block_size)
   int max_tokens;       // max_blocks * block_size: context_lens are clamped to it
 };
@@ -38,22 +38,32 @@ struct Work {
   int kv_end;  // keys 0 .. kv_end - 1 are read
 };
 
-// blockIdx.x = ((b * num_kv_heads + kv_head) * head_chunks + chunk) * tiles + (reversed tile):
-// the CTAs reading the same K/V are neighbours, and the latest (longest) tiles go first.
-// False (the whole CTA returns) for a tile past the sequence's new tokens.
+// The batch's query tiles are numbered flat: sequence b's tiles start at
+// start(b) = qsl[b] / tokens_per_tile - qsl[0] / tokens_per_tile + b (monotonic in b; at least
+// ceil(q_len_b / tokens_per_tile) of them before start(b + 1)), so the grid follows the batch's
+// tokens, not batch x max_query_len, and a CTA finds its sequence by binary search.
+// blockIdx.x = (kv_head * head_chunks + chunk) * tiles + (tiles - 1 - flat tile): the latest
+// (longest) tiles go first. False (the whole CTA returns) for a tile past its sequence's tokens.
 __device__ __forceinline__ bool cta_work(const PagedPrefillArgs& a, const Plan& plan, Work& w) {
   int idx = blockIdx.x;
-  const int tile = plan.tiles - 1 - idx % plan.tiles;
+  const int flat = plan.tiles - 1 - idx % plan.tiles;
   idx /= plan.tiles;
   const int chunk = idx % plan.head_chunks;
-  idx /= plan.head_chunks;
-  w.kv_head = idx % a.num_kv_heads;
-  w.b = idx / a.num_kv_heads;
-  w.first = a.query_start_loc[w.b];
-  w.q_len = a.query_start_loc[w.b + 1] - w.first;
-  w.tok0 = tile * plan.tokens_per_tile;
+  w.kv_head = idx / plan.head_chunks;
+  const int* qsl = a.query_start_loc;
+  const int tile_len = plan.tokens_per_tile;
+  const int base = qsl[0] / tile_len;
+  int lo = 0, hi = a.batch - 1;  // the last b with start(b) <= flat
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (qsl[mid] / tile_len - base + mid <= flat) lo = mid; else hi = mid - 1;
+  }
+  w.b = lo;
+  w.first = qsl[w.b];
+  w.q_len = qsl[w.b + 1] - w.first;
+  w.tok0 = (flat - (w.first / tile_len - base + w.b)) * tile_len;
   if (w.tok0 >= w.q_len) return false;
-  const int tokens = min(plan.tokens_per_tile, w.q_len - w.tok0);
+  const int tokens = min(tile_len, w.q_len - w.tok0);
   const int ctx = min(max(a.context_lens[w.b], 0), plan.max_tokens);
   w.head0 = w.kv_head * plan.group_size + chunk * plan.chunk_heads;
   w.heads = min(plan.chunk_heads, plan.group_size - chunk * plan.chunk_heads);

@@ -268,8 +268,9 @@ def paged_prefill_attention(
     [num_blocks, block_size, Hkv, D] contiguous, same dtype, block_size a power of two in
     [8, 128]; block_tables: [B, max_blocks] int32; context_lens: [B] int32 (at most
     max_blocks * block_size); query_start_loc: [B + 1] int32, non-decreasing.
-    max_query_len: host int >= every q_len_b (sizes the CUDA grid without reading the device;
-    on CUDA, rows past it are not computed). out: like q, or None to allocate one. Returns out.
+    max_query_len: host int >= every q_len_b; with T it bounds the CUDA grid without reading the
+    device (the CPU raises if a sequence has more rows; on CUDA such rows may stay unwritten).
+    out: like q, or None to allocate one. Returns out.
     """
     if out is None:
         out = torch.empty_like(q)
