@@ -37,4 +37,11 @@ TORCH_LIBRARY(pagedkv, m) {
         "Tensor? seeds, Tensor? offsets) -> ()");
   // For every layer l and pair i: block dst[i] of k_caches[l] and v_caches[l] = block src[i].
   m.def("copy_blocks(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor src, Tensor dst) -> ()");
+
+  // Prefill/chunked-prefill attention: sequence b's new tokens are q rows [qsl[b], qsl[b+1]), the
+  // last of its context_lens[b] tokens (already in the cache); each attends causally through
+  // block_tables[b]. max_query_len: a host upper bound of the rows per sequence (sizes the grid).
+  m.def("paged_prefill_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale, "
+        "int max_query_len) -> ()");
 }

@@ -255,3 +255,51 @@ def _sample_fake(out, logits, temperatures, top_k, top_p, seeds, offsets) -> Non
 @torch.library.register_fake("pagedkv::copy_blocks")
 def _copy_blocks_fake(k_caches, v_caches, src, dst) -> None:
     return None
+
+
+# --- paged prefill attention --------------------------------------------------------------------
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flat batch of new tokens (prefill chunks of several sequences) over
+    a paged KV cache that already holds them.
+
+    Sequence b's new tokens are rows ``[query_start_loc[b], query_start_loc[b + 1])`` of q; they
+    are the last ``q_len_b`` of its ``context_lens[b]`` tokens, so row i sits at position
+    ``context_lens[b] - q_len_b + i`` and attends to cache positions 0 .. that position of kv
+    head ``h // (Hq // Hkv)``, read through ``block_tables[b]`` (write the new K/V with
+    ``rope_and_write_kv`` first). A row before position 0 (a CUDA-graph padding row: context 0,
+    one token) gets zeros; q_len 0 does nothing; rows of q outside every sequence are not written.
+
+    q: [T, Hq, D] (head_dim contiguous; token/head strides free, e.g. a view of a fused QKV
+    output), D in {64, 128, 256}, float32/float16/bfloat16; k_cache, v_cache:
+    [num_blocks, block_size, Hkv, D] contiguous, same dtype, block_size a power of two in
+    [8, 128]; block_tables: [B, max_blocks] int32; context_lens: [B] int32 (at most
+    max_blocks * block_size); query_start_loc: [B + 1] int32, non-decreasing.
+    max_query_len: host int >= every q_len_b; with T it bounds the CUDA grid without reading the
+    device (the CPU raises if a sequence has more rows; on CUDA such rows may stay unwritten).
+    out: like q, or None to allocate one. Returns out.
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    _ops.paged_prefill_attention(
+        out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len
+    )
+    return out
+
+
+@torch.library.register_fake("pagedkv::paged_prefill_attention")
+def _paged_prefill_attention_fake(
+    out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len
+) -> None:
+    return None

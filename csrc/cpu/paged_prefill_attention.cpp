@@ -1,0 +1,157 @@
+// CPU paged_prefill_attention: one task per (sequence, kv head) serves the kv head's whole group
+// of query heads, its new tokens taken in chunks of kChunk so the score buffer stays small
+// (kChunk x group x context floats). Scores in fp32, softmax sums and the weighted V sum in fp64,
+// as the decode op. The metadata is validated here, since on the CPU that costs no device sync.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "prefill_checks.h"
+
+namespace pagedkv {
+namespace {
+
+constexpr int64_t kChunk = 16;  // query tokens per pass over the context
+
+void check_metadata(const at::Tensor& block_tables, const at::Tensor& context_lens,
+                    const at::Tensor& query_start_loc, int64_t num_tokens, int64_t max_query_len,
+                    int64_t block_size, int64_t num_blocks) {
+  const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
+  const int* table = block_tables.const_data_ptr<int>();
+  const int* lens = context_lens.const_data_ptr<int>();
+  const int* qsl = query_start_loc.const_data_ptr<int>();
+  TORCH_CHECK(batch == 0 || (qsl[0] >= 0 && qsl[batch] <= num_tokens),
+              "pagedkv: query_start_loc runs from ", qsl[0], " to ", qsl[batch],
+              "; allowed: within q's 0 to ", num_tokens, " rows");
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = static_cast<int64_t>(qsl[b + 1]) - qsl[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= max_query_len, "pagedkv: sequence ", b, " has ", q_len,
+                " query tokens (query_start_loc[", b + 1, "] - query_start_loc[", b,
+                "]); allowed: 0 to max_query_len = ", max_query_len);
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * block_size, "pagedkv: context_lens[", b,
+                "] is ", lens[b], "; allowed: 0 to max_blocks * block_size = ",
+                max_blocks * block_size);
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      const int block = table[b * max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "pagedkv: block_tables[", b, ", ", i,
+                  "] is ", block, "; allowed: 0 to num_blocks - 1 = ", num_blocks - 1);
+    }
+  }
+}
+
+template <typename T>
+void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                   const at::Tensor& context_lens, const at::Tensor& query_start_loc,
+                   float scale) {
+  const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
+  const int64_t group = num_q_heads / num_kv_heads;
+  const T* k_base = k_cache.const_data_ptr<T>();
+  const T* v_base = v_cache.const_data_ptr<T>();
+  const int* tables = block_tables.const_data_ptr<int>();
+  const int* lens = context_lens.const_data_ptr<int>();
+  const int* qsl = query_start_loc.const_data_ptr<int>();
+  const T* q_base = q.const_data_ptr<T>();
+  T* out_base = out.data_ptr<T>();
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kChunk * group;
+    std::vector<float> qf(max_rows * head_dim), row(head_dim), scores;
+    std::vector<double> acc(max_rows * head_dim), sums(max_rows);
+    std::vector<int64_t> pos(max_rows);  // each row's position in its sequence
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t ctx = lens[b], first = qsl[b], q_len = qsl[b + 1] - first;
+      const int* table = tables + b * max_blocks;
+      auto cache_row = [&](const T* base, int64_t t) {
+        const int64_t block = table[t / block_size];
+        return base + ((block * block_size + t % block_size) * num_kv_heads + kv_head) * head_dim;
+      };
+      for (int64_t c = 0; c < q_len; c += kChunk) {
+        const int64_t tokens = std::min(kChunk, q_len - c), rows = tokens * group;
+        // Keys 0 .. the chunk's last position; a row before position 0 (a padding row: context
+        // 0, one token) sees none and gets zeros.
+        const int64_t keys = std::clamp<int64_t>(ctx - q_len + c + tokens, 0, ctx);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = c + r / group, h = kv_head * group + r % group;
+          pos[r] = ctx - q_len + i;
+          const T* src = q_base + (first + i) * q.stride(0) + h * q.stride(1);
+          for (int64_t d = 0; d < head_dim; ++d) qf[r * head_dim + d] = static_cast<float>(src[d]) * scale;
+        }
+        scores.resize(rows * keys);
+        for (int64_t t = 0; t < keys; ++t) {
+          const T* k = cache_row(k_base, t);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]);
+          for (int64_t r = 0; r < rows; ++r) {
+            float dot = kMasked;
+            if (t <= pos[r]) {
+              const float* qr = qf.data() + r * head_dim;
+              dot = 0.f;
+              for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * row[d];
+            }
+            scores[r * keys + t] = dot;
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = scores.data() + r * keys;
+          const int64_t seen = std::clamp<int64_t>(pos[r] + 1, 0, keys);
+          const float max = seen > 0 ? *std::max_element(s, s + seen) : 0.f;
+          double sum = 0.0;
+          for (int64_t t = 0; t < keys; ++t) {
+            s[t] = t < seen ? std::exp(s[t] - max) : 0.f;
+            sum += s[t];
+          }
+          sums[r] = sum;
+        }
+        std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.0);
+        for (int64_t t = 0; t < keys; ++t) {
+          const T* v = cache_row(v_base, t);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]);
+          for (int64_t r = 0; r < rows; ++r) {
+            const double p = scores[r * keys + t];
+            if (p == 0.0) continue;
+            double* a = acc.data() + r * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = c + r / group, h = kv_head * group + r % group;
+          T* dst = out_base + (first + i) * out.stride(0) + h * out.stride(1);
+          const double inv = sums[r] > 0.0 ? 1.0 / sums[r] : 0.0;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& context_lens,
+                                 const at::Tensor& query_start_loc, double scale,
+                                 int64_t max_query_len) {
+  check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                           max_query_len);
+  check_metadata(block_tables, context_lens, query_start_loc, q.size(0), max_query_len,
+                 k_cache.size(1), k_cache.size(0));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_prefill_attention_cpu", [&] {
+    paged_prefill<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens,
+                            query_start_loc, static_cast<float>(scale));
+  });
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("paged_prefill_attention", &paged_prefill_attention_cpu);
+}
+
+}  // namespace pagedkv

@@ -1,0 +1,89 @@
+// Paged prefill attention: the host plan and the dispatch. One CTA per (sequence, kv head, head
+// chunk, tile of query tokens) whose 64 rows are (token, query head) pairs of the kv head's group,
+// so each K/V tile read into shared memory through the block table serves the whole group (GQA).
+// The CTA walks the context's keys up to its last token's position with an fp32 online softmax.
+// bf16/fp16 run on tensor cores (paged_prefill_mma.cuh), fp32 on CUDA cores
+// (paged_prefill_simt.cuh). The grid follows the batch's tokens (flat tiles, see cta_work), and
+// tiles are ordered latest first (they have the most keys), so the long CTAs start first.
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/paged_prefill_attention.h"
+#include "kernels/paged_prefill_common.cuh"
+#include "kernels/paged_prefill_mma.cuh"
+#include "kernels/paged_prefill_simt.cuh"
+
+namespace pagedkv::kernels {
+namespace {
+
+using prefill::Plan;
+
+int log2_exact(int x) {
+  int shift = 0;
+  while ((1 << shift) < x) ++shift;
+  return shift;
+}
+
+// Above 48 KB of dynamic shared memory a kernel must opt in (per device and function; not a
+// stream operation, so allowed under graph capture).
+template <typename Kernel>
+cudaError_t launch_kernel(Kernel kernel, int threads, int smem, const PagedPrefillArgs& a,
+                          const Plan& plan, int64_t ctas, cudaStream_t stream) {
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(a, plan);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t launch(const PagedPrefillArgs& a, const Plan& plan, int64_t ctas, cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2) {
+    return launch_kernel(prefill::paged_prefill_mma_kernel<T, D>, prefill::mma::kThreads,
+                         prefill::mma::smem_bytes<T, D>(), a, plan, ctas, stream);
+  } else {
+    return launch_kernel(prefill::paged_prefill_simt_kernel<T, D>, prefill::simt::kThreads,
+                         prefill::simt::smem_bytes<T, D>(), a, plan, ctas, stream);
+  }
+}
+
+}  // namespace
+
+cudaError_t paged_prefill_attention(const PagedPrefillArgs& a, DType dtype, cudaStream_t stream) {
+  if (a.batch == 0 || a.num_q_heads == 0 || a.num_tokens == 0 || a.max_query_len == 0) {
+    return cudaSuccess;
+  }
+  if (a.max_query_len < 0 || a.max_blocks < 1 || a.num_kv_heads < 1 ||
+      a.num_q_heads % a.num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  Plan plan;
+  plan.group_size = a.num_q_heads / a.num_kv_heads;
+  plan.head_chunks = (plan.group_size + prefill::kMaxChunkHeads - 1) / prefill::kMaxChunkHeads;
+  plan.chunk_heads = (plan.group_size + plan.head_chunks - 1) / plan.head_chunks;
+  plan.tokens_per_tile = prefill::kRows / plan.chunk_heads;
+  // Flat tiles (cta_work): at most num_tokens / tokens_per_tile + batch in all, and at most
+  // ceil(max_query_len / tokens_per_tile) + 1 per sequence; whichever bound is smaller.
+  const int64_t by_tokens = a.num_tokens / plan.tokens_per_tile + a.batch;
+  const int64_t by_length =
+      static_cast<int64_t>(a.batch) * ((a.max_query_len + plan.tokens_per_tile - 1) / plan.tokens_per_tile + 1);
+  const int64_t tiles = std::min(by_tokens, by_length);
+  plan.block_shift = log2_exact(a.block_size);
+  plan.max_tokens = a.max_blocks * a.block_size;
+  const int64_t ctas = tiles * a.num_kv_heads * plan.head_chunks;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  plan.tiles = static_cast<int>(tiles);
+
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    switch (a.head_dim) {
+      case 64: return launch<T, 64>(a, plan, ctas, stream);
+      case 128: return launch<T, 128>(a, plan, ctas, stream);
+      case 256: return launch<T, 256>(a, plan, ctas, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  });
+}
+
+}  // namespace pagedkv::kernels

@@ -1,0 +1,138 @@
+// What both paged prefill kernels share: the host plan, the work of one CTA (which sequence, kv
+// head, head chunk and query tile), and the cp.async loaders of the Q tile and of K/V tiles read
+// through the block table. A CTA's kRows rows are (token, query head) pairs of one kv head's group:
+// row r is token r / heads, head r % heads, so each K/V tile in shared memory serves the group.
+#pragma once
+#include <cstdint>
+
+#include "kernels/common.cuh"
+#include "kernels/paged_prefill_attention.h"
+
+namespace pagedkv::kernels::prefill {
+
+constexpr int kRows = 64;           // (token, head) rows of a CTA
+constexpr int kMaxChunkHeads = 16;  // larger groups are cut into chunks: >= 4 tokens a tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegBig = -1e30f;   // "no key yet": finite, so exp2f(kNegBig - x) is 0, not NaN
+
+// Shared-memory row stride of Q/K/V tiles in elements: 16 bytes of padding shift consecutive
+// rows by 4 banks (8 rows read side by side hit distinct banks; ldmatrix is conflict-free) and
+// keep rows 16-byte aligned.
+template <typename T, int D>
+constexpr int row_stride() { return D + 16 / static_cast<int>(sizeof(T)); }
+
+// Computed on the host from shapes and max_query_len only.
+struct Plan {
+  int group_size;       // num_q_heads / num_kv_heads
+  int head_chunks;      // CTAs that split one kv head's group of query heads
+  int chunk_heads;      // query heads per chunk (the last chunk may have fewer)
+  int tokens_per_tile;  // kRows / chunk_heads
+  int tiles;            // query tiles of the whole batch (see cta_work)
+  int block_shift;      // log2(block_size)
+  int max_tokens;       // max_blocks * block_size: context_lens are clamped to it
+};
+
+struct Work {
+  int b, kv_head, first, q_len, tok0, head0, heads, rows;
+  int pos0;    // position of the tile's first token (< 0: rows before the context, zeros)
+  int kv_end;  // keys 0 .. kv_end - 1 are read
+};
+
+// The batch's query tiles are numbered flat: sequence b's tiles start at
+// start(b) = qsl[b] / tokens_per_tile - qsl[0] / tokens_per_tile + b (monotonic in b; at least
+// ceil(q_len_b / tokens_per_tile) of them before start(b + 1)), so the grid follows the batch's
+// tokens, not batch x max_query_len, and a CTA finds its sequence by binary search.
+// blockIdx.x = (kv_head * head_chunks + chunk) * tiles + (tiles - 1 - flat tile): the latest
+// (longest) tiles go first. False (the whole CTA returns) for a tile past its sequence's tokens.
+__device__ __forceinline__ bool cta_work(const PagedPrefillArgs& a, const Plan& plan, Work& w) {
+  int idx = blockIdx.x;
+  const int flat = plan.tiles - 1 - idx % plan.tiles;
+  idx /= plan.tiles;
+  const int chunk = idx % plan.head_chunks;
+  w.kv_head = idx / plan.head_chunks;
+  const int* qsl = a.query_start_loc;
+  const int tile_len = plan.tokens_per_tile;
+  const int base = qsl[0] / tile_len;
+  int lo = 0, hi = a.batch - 1;  // the last b with start(b) <= flat
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (qsl[mid] / tile_len - base + mid <= flat) lo = mid; else hi = mid - 1;
+  }
+  w.b = lo;
+  w.first = qsl[w.b];
+  w.q_len = qsl[w.b + 1] - w.first;
+  w.tok0 = (flat - (w.first / tile_len - base + w.b)) * tile_len;
+  if (w.tok0 >= w.q_len) return false;
+  const int tokens = min(tile_len, w.q_len - w.tok0);
+  const int ctx = min(max(a.context_lens[w.b], 0), plan.max_tokens);
+  w.head0 = w.kv_head * plan.group_size + chunk * plan.chunk_heads;
+  w.heads = min(plan.chunk_heads, plan.group_size - chunk * plan.chunk_heads);
+  w.rows = tokens * w.heads;
+  w.pos0 = ctx - w.q_len + w.tok0;
+  w.kv_end = max(0, min(ctx, w.pos0 + tokens));
+  return true;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0));  // src-size 0: sixteen zero bytes, nothing read
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// The CTA's kRows query rows into s_q [kRows][row_stride], zeros past w.rows.
+template <typename T, int D, int kThreads>
+__device__ __forceinline__ void load_q_tile(T* s_q, const PagedPrefillArgs& a, const Work& w) {
+  constexpr int kVec = 16 / sizeof(T), kChunksPerRow = D / kVec, kLd = row_stride<T, D>();
+  const T* q = static_cast<const T*>(a.q);
+  for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kVec;
+    const bool valid = r < w.rows;
+    const T* src = valid ? q + (w.first + w.tok0 + r / w.heads) * a.q_stride_t +
+                               (w.head0 + r % w.heads) * a.q_stride_h + col
+                         : q;
+    cp_async16(s_q + r * kLd + col, src, valid);
+  }
+}
+
+// Keys [key0, key0 + kKeys) of one cache (this kv head) into dst [kKeys][row_stride]; zeros past
+// w.kv_end, whose table entries are never read.
+template <typename T, int D, int kKeys, int kThreads>
+__device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, int key0,
+                                             const PagedPrefillArgs& a, const Plan& plan,
+                                             const Work& w) {
+  constexpr int kVec = 16 / sizeof(T), kChunksPerRow = D / kVec, kLd = row_stride<T, D>();
+  const int* table = a.block_tables + static_cast<int64_t>(w.b) * a.max_blocks;
+  const int64_t token_stride = static_cast<int64_t>(a.num_kv_heads) * D;
+  const int slot_mask = (1 << plan.block_shift) - 1;
+  for (int c = threadIdx.x; c < kKeys * kChunksPerRow; c += kThreads) {
+    const int n = c / kChunksPerRow, col = (c % kChunksPerRow) * kVec;
+    const int key = key0 + n;
+    const bool valid = key < w.kv_end;
+    const T* src = cache;
+    if (valid) {
+      const int64_t block = __ldg(table + (key >> plan.block_shift));
+      src = cache + ((block << plan.block_shift) + (key & slot_mask)) * token_stride +
+            static_cast<int64_t>(w.kv_head) * D + col;
+    }
+    cp_async16(dst + n * kLd + col, src, valid);
+  }
+}
+
+// Max / sum over `width` consecutive lanes (a power of two <= 32).
+template <int kWidth>
+__device__ __forceinline__ float lanes_max(float x) {
+#pragma unroll
+  for (int offset = kWidth / 2; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+template <int kWidth>
+__device__ __forceinline__ float lanes_sum(float x) {
+#pragma unroll
+  for (int offset = kWidth / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+}  // namespace pagedkv::kernels::prefill
