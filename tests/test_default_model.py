@@ -14,16 +14,20 @@ default_model = pytest.importorskip("pagedkv.default_model")
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Count from one to ten."]
 
 
-@pytest.fixture(scope="module")
-def chat_batch():
+def load(device, dtype):
     try:
-        model, tokenizer = default_model.load_default_model("cpu", torch.float32)
+        model, tokenizer = default_model.load_default_model(device, dtype)
     except ModuleNotFoundError as err:
         pytest.skip(str(err))
     tokenizer.padding_side = "left"
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=False) for p in PROMPTS]
-    return model, tokenizer, tokenizer(chats, return_tensors="pt", padding=True)
+    return model, tokenizer, tokenizer(chats, return_tensors="pt", padding=True).to(device)
+
+
+@pytest.fixture(scope="module")
+def chat_batch():
+    return load("cpu", torch.float32)
 
 
 def test_greedy_tokens_identical_to_hf(chat_batch):
@@ -41,3 +45,27 @@ def test_batch_of_one(chat_batch):
     ids = batch["input_ids"][1:2, batch["attention_mask"][1].argmax():]
     kwargs = dict(max_new_tokens=24, do_sample=False)
     assert torch.equal(pagedkv.generate(model, ids, **kwargs), model.generate(ids, **kwargs))
+
+
+@pytest.mark.cuda
+def test_gpu_fp32_tokens_identical_to_hf():
+    model, _, batch = load("cuda", torch.float32)
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    expected = model.generate(**batch, **kwargs)
+    for graphs in (False, True):
+        assert torch.equal(pagedkv.generate(model, **batch, use_cuda_graphs=graphs, **kwargs), expected)
+
+
+@pytest.mark.cuda
+def test_gpu_bf16_tokens_agree_with_hf_up_to_a_near_tie():
+    model, _, batch = load("cuda", torch.bfloat16)
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    hf = model.generate(**batch, output_logits=True, return_dict_in_generate=True, **kwargs)
+    got = pagedkv.generate(model, **batch, **kwargs)
+    start = batch["input_ids"].shape[1]
+    for row in range(got.shape[0]):
+        for step, logits in enumerate(hf.logits):
+            if got[row, start + step] != hf.sequences[row, start + step]:
+                top2 = logits[row].float().topk(2).values
+                assert top2[0] - top2[1] < 0.05 * top2[0].abs() + 0.1, f"row {row} step {step}"
+                break

