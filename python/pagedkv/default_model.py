@@ -41,5 +41,7 @@ def load_default_model(device: str | torch.device = "cpu", dtype: torch.dtype = 
 
     folder = default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    if tokenizer.pad_token is None:  # transformers < 5.2x leaves it unset for this GGUF file
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=dtype)
     return model.to(device).eval(), tokenizer
