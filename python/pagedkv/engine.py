@@ -72,7 +72,7 @@ class LLM:
     model name). max_num_seqs: sequences running at once; max_num_batched_tokens: new tokens per
     step (longer prompts are chunked). The KV cache is sized by exactly one of
     ``kv_cache_memory`` (bytes if an int, else a fraction in (0, 1] of the free CUDA memory;
-    default 0.9 on CUDA, 1 GiB on CPU) or ``num_kv_blocks``. max_model_len: longest sequence,
+    default 0.9 on CUDA, 256 MiB on CPU) or ``num_kv_blocks``. max_model_len: longest sequence,
     prompt + output (default: the model's limit, at most the cache's capacity).
     """
 
@@ -126,7 +126,7 @@ class LLM:
         if num_kv_blocks is not None:
             return {"num_blocks": num_kv_blocks}
         if kv_cache_memory is None:
-            kv_cache_memory = 0.9 if self.device.type == "cuda" else 1 << 30
+            kv_cache_memory = 0.9 if self.device.type == "cuda" else 256 << 20
         if isinstance(kv_cache_memory, float):
             return {"memory_fraction": kv_cache_memory}
         return {"memory_bytes": int(kv_cache_memory)}

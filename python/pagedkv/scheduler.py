@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 from pagedkv.cache import CacheFull, KVCache
 from pagedkv.request import Sequence, Status
@@ -144,7 +145,9 @@ class Scheduler:
         seq.in_cache = True
         seq.num_computed = hits
         seq.status = Status.RUNNING
-        if seq.request.metrics.first_scheduled_time is None:
+        metrics = seq.request.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = time.perf_counter()
             seq.request.num_cached_prompt_tokens = hits
         return end - hits, hits
 
