@@ -21,7 +21,7 @@ def test_matches_dense_causal_attention(block_size):
     k_cache = torch.randn(num_blocks, block_size, hkv, d)
     v_cache = torch.randn(num_blocks, block_size, hkv, d)
     perm = torch.randperm(num_blocks).tolist()
-    max_blocks = 4
+    max_blocks = 8
     tables = torch.zeros(len(contexts), max_blocks, dtype=torch.int32)
     for b, c in enumerate(contexts):
         n = -(-c // block_size)
