@@ -73,10 +73,9 @@ def run_pagedkv(model, prompts, max_tokens, device, args) -> tuple[float, int, l
     sync(device)
     start = time.perf_counter()
     timeline = [(0.0, 0)]
-    with torch.inference_mode():
-        while llm.has_unfinished_requests():
-            llm._step(partial=False)
-            timeline.append((time.perf_counter() - start, llm.stats.num_generated_tokens - generated0))
+    while llm.has_unfinished_requests():
+        llm.step(partial=False)
+        timeline.append((time.perf_counter() - start, llm.stats.num_generated_tokens - generated0))
     sync(device)
     seconds = time.perf_counter() - start
     tokens = llm.stats.num_generated_tokens - generated0

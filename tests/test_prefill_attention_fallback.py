@@ -15,7 +15,7 @@ BLOCK_SIZES = [8, 16]
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_matches_dense_causal_attention(block_size):
-    hq, hkv, d = 4, 2, 32
+    hq, hkv, d = 4, 2, 64
     contexts, queries = [37, 5, 16, 1, 0], [10, 1, 16, 1, 1]  # last row: padding
     num_blocks = sum(-(-c // block_size) for c in contexts) + 3
     k_cache = torch.randn(num_blocks, block_size, hkv, d)

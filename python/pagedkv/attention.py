@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedkv import ops
+
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -32,15 +34,23 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
                                       query_start_loc, scale, max_query_len, out=None):
-    """The plain-PyTorch reference of paged_prefill_attention (same arguments)."""
+    """The plain-PyTorch reference of paged_prefill_attention (same arguments). Rows of query
+    length 1 (decode rows of a mixed step) go, all at once, through ops.paged_decode_attention;
+    longer rows one by one through a gather of their context and SDPA."""
     if out is None:
         out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
+    single = [b for b, ctx in enumerate(lens) if ctx > 0 and starts[b + 1] - starts[b] == 1]
+    if single:
+        rows = torch.tensor(single, dtype=torch.int64, device=q.device)
+        tokens = torch.tensor([starts[b] for b in single], dtype=torch.int64, device=q.device)
+        out[tokens] = ops.paged_decode_attention(q[tokens], k_cache, v_cache, block_tables[rows],
+                                                 context_lens[rows], scale)
     for b, ctx in enumerate(lens):
         q_len = starts[b + 1] - starts[b]
-        if ctx == 0 or q_len == 0:
+        if ctx == 0 or q_len <= 1:
             continue
         blocks = block_tables[b, :(ctx + block_size - 1) // block_size].long()
         k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]

@@ -196,15 +196,19 @@ class LLM:
 
     # -- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
+    def step(self, partial: bool = True) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got tokens in it (partial,
-        with the tokens so far, or finished, the last time it is reported)."""
-        return self._step(partial=True)
+        with the tokens so far, or finished, the last time it is reported). partial=False
+        reports finished requests only (no per-step copies of the token lists)."""
+        return self._step(partial)
 
     def _step(self, partial: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not sched.rows:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("pagedkv.LLM: no waiting request fits the empty engine (a bug: "
+                                   "add_request checks that each one fits)")
             return []
         self.stats.num_steps += 1
         self.stats.num_cached_prompt_tokens += sched.num_cached_tokens
