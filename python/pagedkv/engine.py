@@ -25,6 +25,7 @@ import torch
 
 from pagedkv import ops
 from pagedkv.cache import KVCache
+from pagedkv.decode_graphs import DecodeGraphs
 from pagedkv.models.llama import ForwardMetadata, PagedDecoder
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.request import Request, Sequence, Status
@@ -74,13 +75,15 @@ class LLM:
     ``kv_cache_memory`` (bytes if an int, else a fraction in (0, 1] of the free CUDA memory;
     default 0.9 on CUDA, 256 MiB on CPU) or ``num_kv_blocks``. max_model_len: longest sequence,
     prompt + output (default: the model's limit, at most the cache's capacity).
+    use_cuda_graphs: replay decode-only steps as CUDA graphs, one per batch bucket (default on
+    for CUDA models).
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_memory: int | float | None = None,
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
-                 dtype: torch.dtype | None = None):
+                 use_cuda_graphs: bool | None = None, dtype: torch.dtype | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"pagedkv.LLM: max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -110,6 +113,10 @@ class LLM:
         self.max_model_len = max_model_len or min(limit, capacity)
         self.decoder = PagedDecoder(w, runner.cos_sin, self.cache.k_caches, self.cache.v_caches)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        if graphs and self.device.type != "cuda":
+            raise ValueError("pagedkv.LLM: use_cuda_graphs=True needs a model on a CUDA device")
+        self.graphs = DecodeGraphs(self.decoder, self.device) if graphs else None
         self.vocab_size = int(w.lm_head.shape[0])
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         if eos is None:
@@ -272,12 +279,20 @@ class LLM:
                                 block_tables=meta.block_tables, context_lens=meta.context_lens,
                                 query_start_loc=None if decode_only else meta.query_start_loc,
                                 max_query_len=meta.max_query_len)
-        ids = torch.tensor(tokens, dtype=torch.int64).to(dev, non_blocking=True)
-        logits = None
-        if samplers:
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        if decode_only:  # logits of every row, padding included (same shapes as the graph)
+            if self.graphs is not None:
+                full = self.graphs.run(meta, ids)
+            else:
+                full = self.decoder.forward(ids.to(dev, non_blocking=True), fmeta)
+            logits = full[:len(rows)] if len(samplers) == len(rows) else \
+                full[torch.tensor(logits_rows, dtype=torch.int64, device=dev)]
+        elif samplers:
+            ids = ids.to(dev, non_blocking=True)
             logits_index = torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True)
             logits = self.decoder.forward(ids, fmeta, logits_rows=logits_index)  # [S, V]
         else:
+            ids = ids.to(dev, non_blocking=True)
             self.decoder.forward(ids, fmeta, logits_rows=ids[:0])
         for r in rows:
             r.seq.num_computed += r.num_new
