@@ -30,7 +30,7 @@ W2 = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_at
           num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
           max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
 SMALL = dict(W2, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, vocab_size=10240)
+             num_key_value_heads=2, head_dim=64, vocab_size=10496)
 TEMPERATURE = 0.6
 
 
@@ -63,8 +63,12 @@ def run_pagedkv(model, prompts, max_tokens, device, args) -> tuple[float, int, l
     llm = pagedkv.LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=4096 if device == "cuda" else 2048,
                       kv_cache_memory=args.kv_cache_fraction if device == "cuda" else 256 << 20)
-    warm = pagedkv.SamplingParams(max_tokens=8, temperature=TEMPERATURE, ignore_eos=True, seed=1)
-    llm.generate([prompts[0][:64]] * 4, warm, use_tqdm=False)
+    # Warm-up: the decode batch shrinks by one a step, so every batch bucket's graph is captured.
+    # Its prompts share no prefix with the workload's (no prefix-cache hits carried over).
+    warm = min(args.max_num_seqs, len(prompts))
+    llm.generate([[10001 + i] * 16 for i in range(warm)],
+                 [pagedkv.SamplingParams(max_tokens=i + 1, temperature=TEMPERATURE, ignore_eos=True)
+                  for i in range(warm)], use_tqdm=False)
     params = [pagedkv.SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True, seed=i)
               for i, m in enumerate(max_tokens)]
     generated0 = llm.stats.num_generated_tokens
