@@ -84,6 +84,15 @@ def test_prefix_hits_skip_prefill_and_match_hf():
     assert llm.stats.num_prompt_tokens_computed - computed == sum(len(p) - 48 for p in others)
 
 
+def test_prefix_hits_within_one_step():
+    """Requests admitted together: the later ones read blocks that the same forward writes."""
+    llm = LLM(model(), max_num_seqs=4, max_num_batched_tokens=256)
+    shared = random_prompts([36], seed=15)[0]
+    outs = check_greedy(llm, [shared, shared + [5], shared[:33]])
+    assert [o.num_cached_prompt_tokens for o in outs] == [0, 32, 32]
+    assert llm.stats.num_steps == MAX_NEW  # all three prefilled in the first step
+
+
 def test_prefix_hits_with_chunking_and_preemption():
     shared = random_prompts([40], seed=5)[0]
     prompts = [shared + tail for tail in random_prompts([9, 30, 2, 25], seed=6)]
