@@ -60,7 +60,8 @@ def sync(device: str) -> None:
 
 def run_pagedkv(model, prompts, max_tokens, device, args) -> tuple[float, int, list[tuple[float, int]]]:
     """(seconds, output tokens, [(t, cumulative output tokens)] after each step)."""
-    llm = pagedkv.LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    llm = pagedkv.LLM(model, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=4096 if device == "cuda" else 2048,
                       kv_cache_memory=args.kv_cache_fraction if device == "cuda" else 256 << 20)
     # Warm-up: the decode batch shrinks by one a step, so every batch bucket's graph is captured.

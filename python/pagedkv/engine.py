@@ -145,7 +145,8 @@ class LLM:
         input raises ValueError and leaves the engine as it was."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"pagedkv.LLM: sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError("pagedkv.LLM: sampling_params must be a SamplingParams, got "
+                            f"{type(params).__name__}")
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"pagedkv.LLM: the prompt has {len(ids)} tokens; at most "
@@ -187,7 +188,8 @@ class LLM:
             raise ValueError("pagedkv.LLM: the prompt is empty; it needs at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"pagedkv.LLM: prompt token ids {bad[:5]} are outside [0, {self.vocab_size - 1}]")
+            raise ValueError(f"pagedkv.LLM: prompt token ids {bad[:5]} are outside "
+                             f"[0, {self.vocab_size - 1}]")
         return text, ids
 
     def abort_request(self, request_id: str) -> None:
@@ -373,7 +375,8 @@ class LLM:
                 raise ValueError(f"pagedkv.LLM: a prompt has {len(ids)} tokens; at most "
                                  f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len})")
             if p is not None and not isinstance(p, SamplingParams):
-                raise TypeError(f"pagedkv.LLM: sampling_params must be SamplingParams, got {type(p).__name__}")
+                raise TypeError("pagedkv.LLM: sampling_params must be SamplingParams, got "
+                                f"{type(p).__name__}")
         return [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
 
     def stream(self, prompts: Prompt | Iterable[Prompt],
