@@ -103,9 +103,14 @@ def extract_weights(model) -> DecoderWeights:
 class ForwardMetadata:
     """Where one forward's tokens go and what they attend to. T new tokens, B sequences.
 
-    Decode (one new token per sequence, T == B): attention reads each sequence's whole context
-    through `block_tables`/`context_lens`. Prefill (whole new prompts): attention runs over the
-    new tokens themselves, sequence by sequence, `prefill_lens` long each.
+    Three kinds of step:
+    - decode (one new token per sequence, T == B): attention reads each sequence's whole context
+      through `block_tables`/`context_lens` (paged decode attention);
+    - mixed (`query_start_loc` given): sequence b's new tokens are rows [qsl[b], qsl[b + 1]) and
+      attend to the cache up to themselves (prefill chunks after cached context, prefix-cache
+      hits, and decode rows of query length 1, in one flat batch: paged prefill attention);
+    - prefill of whole fresh prompts (`prefill_lens`): attention over the new tokens themselves,
+      sequence by sequence.
     """
 
     positions: torch.Tensor  # [T] int32: position of each new token in its sequence
@@ -113,6 +118,8 @@ class ForwardMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (decode)
     context_lens: torch.Tensor | None = None  # [B] int32, new token included (decode)
     prefill_lens: list[int] | None = None  # new tokens per sequence, sum T (prefill)
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int32 (mixed)
+    max_query_len: int = 1  # longest new-token run of one sequence (mixed)
 
 
 class PagedDecoder:
@@ -156,6 +163,11 @@ class PagedDecoder:
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: ForwardMetadata) -> torch.Tensor:
+        if meta.query_start_loc is not None:
+            return ops.paged_prefill_attention(q, self.k_caches[layer], self.v_caches[layer],
+                                               meta.block_tables, meta.context_lens,
+                                               meta.query_start_loc, self.w.scale,
+                                               meta.max_query_len)
         if meta.prefill_lens is None:
             return ops.paged_decode_attention(q, self.k_caches[layer], self.v_caches[layer],
                                               meta.block_tables, meta.context_lens, self.w.scale)

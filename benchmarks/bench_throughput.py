@@ -1,0 +1,209 @@
+"""W2: offline throughput of many requests, nano-vllm's workload: a Qwen3-0.6B-shaped model
+(random bf16 weights), 256 requests, prompt and output lengths each uniform in [100, 1024]
+(random.seed(0), prompt ids uniform in [0, 10000], temperature 0.6, EOS ignored). pagedkv.LLM
+against HF's continuous batching (``generate_batch``'s manager, attn_implementation
+"paged|sdpa") in the same run: output tokens / s end to end, the table, and a PNG of tok/s over
+time for both.
+
+    python benchmarks/bench_throughput.py [--out DIR] [--num-requests 256] [--no-hf] [--small]
+
+--small: a 2-layer narrow model, 16 short requests, on the CPU (a smoke test of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import random
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from report import markdown_table, save_table  # noqa: E402
+
+import pagedkv  # noqa: E402
+
+W2 = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+SMALL = dict(W2, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, vocab_size=10496)
+TEMPERATURE = 0.6
+
+
+def workload(num_requests: int, lo: int, hi: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py: prompts then output lengths, from random.seed(0)."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo, hi))]
+               for _ in range(num_requests)]
+    max_tokens = [random.randint(lo, hi) for _ in range(num_requests)]
+    return prompts, max_tokens
+
+
+def build_model(small: bool, device: str):
+    config = Qwen3Config(**(SMALL if small else W2))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_pagedkv(model, prompts, max_tokens, device, args) -> tuple[float, int, list[tuple[float, int]]]:
+    """(seconds, output tokens, [(t, cumulative output tokens)] after each step)."""
+    llm = pagedkv.LLM(model, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_model_len=4096 if device == "cuda" else 2048,
+                      kv_cache_memory=args.kv_cache_fraction if device == "cuda" else 256 << 20)
+    # Warm-up: the decode batch shrinks by one a step, so every batch bucket's graph is captured.
+    # Its prompts share no prefix with the workload's (no prefix-cache hits carried over).
+    warm = min(args.max_num_seqs, len(prompts))
+    llm.generate([[10001 + i] * 16 for i in range(warm)],
+                 [pagedkv.SamplingParams(max_tokens=i + 1, temperature=TEMPERATURE, ignore_eos=True)
+                  for i in range(warm)], use_tqdm=False)
+    params = [pagedkv.SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True, seed=i)
+              for i, m in enumerate(max_tokens)]
+    generated0 = llm.stats.num_generated_tokens
+    for prompt, p in zip(prompts, params):
+        llm.add_request(prompt, p)
+    sync(device)
+    start = time.perf_counter()
+    timeline = [(0.0, 0)]
+    while llm.has_unfinished_requests():
+        llm.step(partial=False)
+        timeline.append((time.perf_counter() - start, llm.stats.num_generated_tokens - generated0))
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = llm.stats.num_generated_tokens - generated0
+    print(f"pagedkv: {llm.stats}")
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return seconds, tokens, timeline
+
+
+def run_hf(model, prompts, max_tokens, device) -> tuple[float, int, list[tuple[float, int]]]:
+    """HF continuous batching through generate_batch's manager (per-request max_new_tokens)."""
+    model.set_attn_implementation("paged|sdpa")
+    config = GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+                              eos_token_id=None, pad_token_id=0, max_new_tokens=max(max_tokens))
+    model.generate_batch(inputs=[prompts[0][:64]] * 4, generation_config=config, max_new_tokens=8)
+    finish_times: list[tuple[float, int]] = []
+    with model.continuous_batching_context_manager(generation_config=config, block=True,
+                                                   timeout=5) as manager:
+        sync(device)
+        start = time.perf_counter()  # the manager's warm-up (on entering) is not timed
+        for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=m, record_timestamps=True)
+        done: dict[str, object] = {}
+        while len(done) < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result
+                finish_times.append((time.perf_counter() - start, len(result.generated_tokens)))
+            elif result is None and not manager.is_running():
+                raise RuntimeError("HF's continuous batching thread stopped")
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.generated_tokens) for r in done.values())
+    stamps = sorted(t for r in done.values() for t in (getattr(r, "timestamps", None) or []))
+    if stamps and start <= stamps[0] and stamps[-1] <= start + seconds:  # per-token stamps
+        timeline = [(0.0, 0)] + [(t - start, i + 1) for i, t in enumerate(stamps)] + [(seconds, tokens)]
+    else:  # no per-token perf_counter stamps: a request's tokens count when it finishes
+        timeline, total = [(0.0, 0)], 0
+        for t, n in sorted(finish_times):
+            total += n
+            timeline.append((t, total))
+    return seconds, tokens, timeline
+
+
+def rate_curve(timeline: list[tuple[float, int]], bins: int = 60) -> tuple[list[float], list[float]]:
+    end = timeline[-1][0]
+    width = end / bins if end > 0 else 1.0
+    xs, ys, j = [], [], 0
+    prev = 0
+    for b in range(1, bins + 1):
+        t = b * width
+        while j + 1 < len(timeline) and timeline[j + 1][0] <= t:
+            j += 1
+        xs.append(t)
+        ys.append((timeline[j][1] - prev) / width)
+        prev = timeline[j][1]
+    return xs, ys
+
+
+def save_rate_plot(out_dir: pathlib.Path, curves: dict[str, list[tuple[float, int]]]) -> pathlib.Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, timeline in curves.items():
+        ax.plot(*rate_curve(timeline), label=label)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("W2 throughput over time")
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / "bench_throughput.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--kv-cache-fraction", type=float, default=0.8)
+    parser.add_argument("--no-hf", action="store_true", help="skip HF's continuous batching")
+    parser.add_argument("--small", action="store_true", help="tiny model, 16 short requests, CPU")
+    args = parser.parse_args()
+    device = "cpu" if args.small or not torch.cuda.is_available() else "cuda"
+    if args.small:
+        args.num_requests, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 256
+    lo, hi = (10, 40) if args.small else (100, 1024)
+    prompts, max_tokens = workload(args.num_requests, lo, hi)
+    model = build_model(args.small, device)
+
+    results, curves = {}, {}
+    seconds, tokens, timeline = run_pagedkv(model, prompts, max_tokens, device, args)
+    results["pagedkv.LLM"] = (seconds, tokens)
+    curves["pagedkv.LLM"] = timeline
+    hf_note = ""
+    if not args.no_hf:
+        try:
+            seconds, tokens, timeline = run_hf(model, prompts, max_tokens, device)
+            results["HF generate_batch (paged|sdpa)"] = (seconds, tokens)
+            curves["HF generate_batch (paged|sdpa)"] = timeline
+        except Exception as error:  # an older/newer transformers without this API: say so
+            hf_note = f"HF generate_batch unavailable here: {type(error).__name__}: {error}"
+            print(hf_note)
+    hf = results.get("HF generate_batch (paged|sdpa)")
+    rows = []
+    for name, (seconds, tokens) in results.items():
+        rate = tokens / seconds
+        rows.append([name, tokens, round(seconds, 2), round(rate, 1),
+                     f"{rate / (hf[1] / hf[0]):.2f}x" if hf else "-"])
+    shape = "small (2 layers, CPU)" if args.small else "Qwen3-0.6B shape, bf16"
+    title = (f"W2: {args.num_requests} requests, prompt/output lengths uniform in [{lo}, {hi}], "
+             f"{shape}, {device}, torch {torch.__version__}" + (f"\n\n{hf_note}" if hf_note else ""))
+    table = markdown_table(["system", "output tokens", "seconds", "tok/s", "vs HF"], rows)
+    save_table(args.out, "bench_throughput", title, table)
+    print("plot:", save_rate_plot(args.out, curves))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,433 @@
+"""pagedkv.LLM: continuous batching of many requests over one paged KV cache.
+
+    llm = pagedkv.LLM(model, max_num_seqs=256, max_num_batched_tokens=8192)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=128, temperature=0))  # input order
+    # online: llm.add_request(...); while llm.has_unfinished_requests(): llm.step()
+    # streaming: for out in llm.stream(prompts, params): ...
+
+Each step the scheduler (scheduler.py) picks the sequences to run and reserves their cache
+slots; ONE forward then runs decode tokens and prefill chunks together as a flat batch, the last
+logits of every sequence that reached its end are sampled, and finished sequences free their
+blocks at once. A decode-only step uses paged decode attention (padded to a batch bucket on
+CUDA, ready for CUDA graphs); a step with prefill chunks uses paged prefill attention for all
+rows (decode rows are query length 1), see attention.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from typing import Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from pagedkv import ops
+from pagedkv.cache import KVCache
+from pagedkv.decode_graphs import DecodeGraphs
+from pagedkv.models.llama import ForwardMetadata, PagedDecoder
+from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.request import Request, Sequence, Status
+from pagedkv.runner import BATCH_BUCKETS, runner_for
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.scheduler import Scheduler, SchedulerOutput
+from pagedkv.support import attention_window, check_supported
+
+Prompt = str | Seq[int]
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine was made."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt (or recomputed) tokens run through the model
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache instead
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+
+def _load(model, tokenizer, dtype):
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        name = model
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto")
+        if torch.cuda.is_available():
+            model = model.cuda()
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+    elif isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    return model.eval(), tokenizer
+
+
+class LLM:
+    """Serve many requests of one HF Llama-family causal LM (Llama, Qwen2, Qwen3, Mistral).
+
+    model: a loaded ``*ForCausalLM`` (on its device and dtype) or a name/path for
+    ``from_pretrained``; tokenizer: needed for string prompts and output text (loaded with a
+    model name). max_num_seqs: sequences running at once; max_num_batched_tokens: new tokens per
+    step (longer prompts are chunked). The KV cache is sized by exactly one of
+    ``kv_cache_memory`` (bytes if an int, else a fraction in (0, 1] of the free CUDA memory;
+    default 0.9 on CUDA, 256 MiB on CPU) or ``num_kv_blocks``. max_model_len: longest sequence,
+    prompt + output (default: the model's limit, at most the cache's capacity).
+    use_cuda_graphs: replay decode-only steps as CUDA graphs, one per batch bucket (default on
+    for CUDA models).
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, kv_cache_memory: int | float | None = None,
+                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                 block_size: int = 16, enable_prefix_caching: bool = True,
+                 use_cuda_graphs: bool | None = None, dtype: torch.dtype | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"pagedkv.LLM: max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"pagedkv.LLM: max_num_batched_tokens ({max_num_batched_tokens}) must be "
+                             f">= max_num_seqs ({max_num_seqs}): every running sequence decodes a "
+                             "token per step")
+        model, self.tokenizer = _load(model, tokenizer, dtype)
+        check_supported(model)
+        self.model = model
+        runner = runner_for(model)  # the weights, fused once and shared with generate()
+        self.device = runner.device
+        limit = runner.max_positions
+        window = attention_window(model)
+        if window is not None:
+            limit = min(limit, window)
+        sizing = self._cache_sizing(kv_cache_memory, num_kv_blocks)
+        w = runner.weights
+        self.cache = KVCache(len(w.layers), w.num_kv_heads, w.head_dim, dtype=runner.dtype,
+                             block_size=block_size, device=self.device,
+                             max_seq_len=min(limit, max_model_len or limit), max_batch_size=max_num_seqs,
+                             max_step_tokens=max_num_batched_tokens,
+                             enable_prefix_caching=enable_prefix_caching, **sizing)
+        capacity = self.cache.capacity_tokens
+        if max_model_len is not None and max_model_len > min(limit, capacity):
+            raise ValueError(f"pagedkv.LLM: max_model_len {max_model_len} is more than the model's limit "
+                             f"({limit}) or the KV cache's capacity ({capacity} tokens)")
+        self.max_model_len = max_model_len or min(limit, capacity)
+        self.decoder = PagedDecoder(w, runner.cos_sin, self.cache.k_caches, self.cache.v_caches)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        if graphs and self.device.type != "cuda":
+            raise ValueError("pagedkv.LLM: use_cuda_graphs=True needs a model on a CUDA device")
+        self.graphs = DecodeGraphs(self.decoder, self.device) if graphs else None
+        self.vocab_size = int(w.lm_head.shape[0])
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        if eos is None:
+            eos = model.config.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        self._seq_counter = itertools.count()
+
+    def _cache_sizing(self, kv_cache_memory, num_kv_blocks) -> dict:
+        if kv_cache_memory is not None and num_kv_blocks is not None:
+            raise ValueError("pagedkv.LLM: give kv_cache_memory or num_kv_blocks, not both")
+        if num_kv_blocks is not None:
+            return {"num_blocks": num_kv_blocks}
+        if kv_cache_memory is None:
+            kv_cache_memory = 0.9 if self.device.type == "cuda" else 256 << 20
+        if isinstance(kv_cache_memory, float):
+            return {"memory_fraction": kv_cache_memory}
+        return {"memory_bytes": int(kv_cache_memory)}
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (a string, with the tokenizer, or token ids); returns its id. Bad
+        input raises ValueError and leaves the engine as it was."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("pagedkv.LLM: sampling_params must be a SamplingParams, got "
+                            f"{type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"pagedkv.LLM: the prompt has {len(ids)} tokens; at most "
+                             f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len}, one "
+                             "token left to generate)")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"pagedkv.LLM: n = {params.n} samples is more than max_num_seqs "
+                             f"({self.scheduler.max_num_seqs})")
+        request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"pagedkv.LLM: request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(62) - params.n
+        request = Request(request_id, text, ids, params, max(seed, 0),
+                          RequestMetrics(arrival_time=time.perf_counter()))
+        seq = Sequence(next(self._seq_counter), request, 0, list(ids), len(ids),
+                       pending_forks=params.n - 1)
+        request.sequences.append(seq)
+        self._requests[request_id] = request
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("pagedkv.LLM: a string prompt needs a tokenizer; pass tokenizer= "
+                                 "or give token ids")
+            ids = list(self.tokenizer.encode(prompt))
+            text = prompt
+        else:
+            if isinstance(prompt, torch.Tensor):
+                prompt = prompt.flatten().tolist()
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise ValueError("pagedkv.LLM: a prompt is a string or a list of token ids, got "
+                                 f"{type(prompt).__name__}") from None
+            text = None
+        if not ids:
+            raise ValueError("pagedkv.LLM: the prompt is empty; it needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"pagedkv.LLM: prompt token ids {bad[:5]} are outside "
+                             f"[0, {self.vocab_size - 1}]")
+        return text, ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (its blocks are freed); unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            for seq in request.sequences:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.abort(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, partial: bool = True) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that got tokens in it (partial,
+        with the tokens so far, or finished, the last time it is reported). partial=False
+        reports finished requests only (no per-step copies of the token lists)."""
+        return self._step(partial)
+
+    def _step(self, partial: bool) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if not sched.rows:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("pagedkv.LLM: no waiting request fits the empty engine (a bug: "
+                                   "add_request checks that each one fits)")
+            return []
+        self.stats.num_steps += 1
+        self.stats.num_cached_prompt_tokens += sched.num_cached_tokens
+        self.stats.num_prompt_tokens_computed += sum(
+            r.num_new for r in sched.rows[sched.num_decodes:])
+        sampled = self._run(sched)
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        for seq, token in sampled:
+            seq.token_ids.append(token)
+            request = seq.request
+            touched[request.request_id] = request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+        self.stats.num_generated_tokens += len(sampled)
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                del self._requests[request.request_id]
+                outputs.append(self._output(request))
+            elif partial:
+                outputs.append(self._output(request))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _run(self, sched: SchedulerOutput) -> list[tuple[Sequence, int]]:
+        """The forward and sampling of one step; returns (sequence, new token) pairs. Advances
+        num_computed, forks n > 1 samples once their prompt is computed."""
+        rows = sched.rows
+        dev = self.device
+        decode_only = all(r.num_new == 1 for r in rows)
+        padded = None
+        if decode_only and dev.type == "cuda":
+            padded = min(next((b for b in BATCH_BUCKETS if b >= len(rows)), len(rows)),
+                         self.scheduler.max_num_seqs)
+        seq_ids = [r.seq.seq_id for r in rows]
+        query_lens = None if decode_only else [r.num_new for r in rows]
+        meta = self.cache.build_metadata(seq_ids, query_lens, padded)
+        tokens: list[int] = []
+        logits_rows: list[int] = []
+        samplers: list[Sequence] = []
+        for r in rows:
+            start = r.seq.num_computed
+            tokens += r.seq.token_ids[start:start + r.num_new]
+            if r.samples:
+                logits_rows.append(len(tokens) - 1)
+                samplers.append(r.seq)
+        tokens += [0] * (meta.num_tokens - len(tokens))  # padding rows of a bucket
+        fmeta = ForwardMetadata(positions=meta.positions, slot_mapping=meta.slot_mapping,
+                                block_tables=meta.block_tables, context_lens=meta.context_lens,
+                                query_start_loc=None if decode_only else meta.query_start_loc,
+                                max_query_len=meta.max_query_len)
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        if decode_only:  # logits of every row, padding included (same shapes as the graph)
+            if self.graphs is not None:
+                full = self.graphs.run(meta, ids)
+            else:
+                full = self.decoder.forward(ids.to(dev, non_blocking=True), fmeta)
+            logits = full[:len(rows)] if len(samplers) == len(rows) else \
+                full[torch.tensor(logits_rows, dtype=torch.int64, device=dev)]
+        elif samplers:
+            ids = ids.to(dev, non_blocking=True)
+            logits_index = torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True)
+            logits = self.decoder.forward(ids, fmeta, logits_rows=logits_index)  # [S, V]
+        else:
+            ids = ids.to(dev, non_blocking=True)
+            self.decoder.forward(ids, fmeta, logits_rows=ids[:0])
+        for r in rows:
+            r.seq.num_computed += r.num_new
+        if not samplers:
+            return []
+
+        # n > 1: fork the samples once the prompt is computed; they share its logits row.
+        row_of = list(range(len(samplers)))
+        for i, seq in enumerate(list(samplers)):
+            if seq.pending_forks:
+                children = self._fork(seq)
+                samplers += children
+                row_of += [i] * len(children)
+        if len(row_of) > len(logits_rows):
+            logits = logits[torch.tensor(row_of, device=dev)]
+        next_tokens = self._sample(logits, samplers).tolist()
+        return list(zip(samplers, next_tokens))
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        request = parent.request
+        children = []
+        for index in range(1, parent.pending_forks + 1):
+            child = Sequence(next(self._seq_counter), request, index, list(parent.token_ids),
+                             parent.prompt_len, status=Status.RUNNING,
+                             num_computed=parent.num_computed, in_cache=True)
+            self.cache.fork(parent.seq_id, child.seq_id)
+            children.append(child)
+        parent.pending_forks = 0
+        request.sequences += children
+        self.scheduler.insert_after(parent, children)
+        return children
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row of logits [S, V] with each sequence's own parameters; the RNG
+        counter is the sample's number of generated tokens, so a token never depends on the batch
+        slot or on preemption."""
+        logits = logits.float()
+        params = [s.request.params for s in seqs]
+        if all(p.greedy for p in params):
+            return ops.sample(logits)
+        dev = logits.device
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        return ops.sample(logits, tensor([p.temperature for p in params], torch.float32),
+                          tensor([p.top_k for p in params], torch.int32),
+                          tensor([p.top_p for p in params], torch.float32),
+                          tensor([s.seed for s in seqs], torch.int64),
+                          tensor([s.num_output for s in seqs], torch.int64))
+
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.finished
+        completions = [CompletionOutput(s.index, s.output_ids if finished else list(s.output_ids),
+                                        s.finish_reason, self.tokenizer,
+                                        request.params.skip_special_tokens)
+                       for s in request.sequences]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, finished, request.metrics, request.num_cached_prompt_tokens)
+
+    # -- batch and streaming APIs ---------------------------------------------------------------
+    def _add_all(self, prompts, sampling_params) -> list[str]:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"pagedkv.LLM: got {len(sampling_params)} sampling_params for "
+                                 f"{len(prompts)} prompts; give one, or one per prompt")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(prompts)
+        # Check every request first, so that a bad one leaves nothing queued.
+        for prompt, p in zip(prompts, params):
+            _, ids = self._tokenize(prompt)
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"pagedkv.LLM: a prompt has {len(ids)} tokens; at most "
+                                 f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len})")
+            if p is not None and not isinstance(p, SamplingParams):
+                raise TypeError("pagedkv.LLM: sampling_params must be SamplingParams, got "
+                                f"{type(p).__name__}")
+        return [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+
+    def stream(self, prompts: Prompt | Iterable[Prompt],
+               sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Queue the prompts and yield RequestOutputs as they progress (partial ones after every
+        step they got a token in, then the finished one), until all of them are finished."""
+        ids = set(self._add_all(prompts, sampling_params))
+        try:
+            while ids:
+                with torch.inference_mode():
+                    outputs = self._step(partial=True)
+                for out in outputs:
+                    if out.request_id in ids:
+                        if out.finished:
+                            ids.discard(out.request_id)
+                        yield out
+        finally:
+            for request_id in ids:  # the consumer stopped early
+                self.abort_request(request_id)
+
+    @torch.inference_mode()
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run the prompts to the end; outputs in the order of the prompts. A tqdm bar shows
+        finished requests and output tok/s (use_tqdm=False turns it off)."""
+        ids = self._add_all(prompts, sampling_params)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="pagedkv", unit="req", dynamic_ncols=True)
+        start, generated0 = time.perf_counter(), self.stats.num_generated_tokens
+        wanted = set(ids)
+        try:
+            while len(results) < len(ids):
+                for out in self._step(partial=False):
+                    if out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    rate = (self.stats.num_generated_tokens - generated0) / (time.perf_counter() - start)
+                    bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+        except BaseException:
+            for request_id in wanted - results.keys():
+                self.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,79 @@
+"""What pagedkv.LLM returns per request: the completions, their finish reasons and timings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(slots=True)
+class RequestMetrics:
+    """time.perf_counter() seconds of a request's life; None until it happens."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+class CompletionOutput:
+    """One sample of a request: its new token ids, their text (decoded on first access, with the
+    engine's tokenizer; None without one) and why it finished ("stop", "length", None = running)."""
+
+    __slots__ = ("index", "token_ids", "finish_reason", "_tokenizer", "_skip_special", "_text")
+
+    def __init__(self, index: int, token_ids: list[int], finish_reason: str | None, tokenizer,
+                 skip_special_tokens: bool = True):
+        self.index = index
+        self.token_ids = token_ids
+        self.finish_reason = finish_reason
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._text: str | None = None
+
+    @property
+    def text(self) -> str | None:
+        if self._text is None and self._tokenizer is not None:
+            self._text = self._tokenizer.decode(self.token_ids, skip_special_tokens=self._skip_special)
+        return self._text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, token_ids={self.token_ids}, "
+                f"finish_reason={self.finish_reason!r})")
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step (partial) or at its end (finished=True). With n == 1,
+    ``token_ids``/``text``/``finish_reason`` are those of the only completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,191 @@
+"""Which sequences run in the next step, and how many new tokens each computes.
+
+Policy (one step, budget = max_num_batched_tokens new tokens, at most max_num_seqs sequences):
+1. Decodes first: every running decoding sequence feeds its last token (one slot each, reserved
+   in one all-or-nothing append). If the cache lacks blocks, the newest running sequence is
+   preempted (its blocks freed; it goes back to the front of the waiting queue and is recomputed
+   later from prompt + generated tokens) until the rest fit.
+2. Running prefills continue, oldest first, with chunks of what is left of the budget; one that
+   does not fit preempts newer sequences, or (when it is the newest) shrinks or waits.
+3. Waiting sequences are admitted in FIFO order while the budget, the sequence limit and the free
+   blocks allow (none in a step that preempted). A prompt's leading blocks found in the prefix
+   cache are not computed again. A prompt longer than the left budget is chunked: its first
+   chunk is added now, the rest is appended by later steps, so every block the cache can hand
+   to another prompt as a prefix hit has its K/V written by the step that reserved it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from pagedkv.cache import CacheFull, KVCache
+from pagedkv.request import Sequence, Status
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledRow:
+    seq: Sequence
+    num_new: int  # tokens computed this step: seq.token_ids[num_computed : num_computed + num_new]
+
+    @property
+    def samples(self) -> bool:
+        """The row reaches the end of its tokens: its last logits give the next token."""
+        return self.seq.num_computed + self.num_new == len(self.seq.token_ids)
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    rows: list[ScheduledRow]  # decode rows first, then prefill chunks
+    num_decodes: int
+    preempted: list[Sequence]
+    num_cached_tokens: int  # prompt tokens found in the prefix cache by this step's admissions
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _seq_slots(self) -> int:
+        return sum(1 + s.pending_forks for s in self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        preempted: list[Sequence] = []
+        rows: list[ScheduledRow] = []
+
+        decodes = [s for s in self.running if s.is_decoding]
+        while decodes and not self.cache.can_allocate(
+                self.cache.blocks_needed_to_append([s.seq_id for s in decodes], 1)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim in decodes:
+                decodes.remove(victim)
+        if decodes:
+            self.cache.append_batch([s.seq_id for s in decodes], [s.token_ids[-1] for s in decodes])
+            rows += [ScheduledRow(s, 1) for s in decodes]
+            budget -= len(decodes)
+
+        for seq in [s for s in self.running if not s.is_decoding]:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted by an older one of this loop
+                continue
+            chunk = min(seq.num_left, budget)
+            while not self.cache.can_allocate(self.cache.blocks_needed_to_append([seq.seq_id], chunk)):
+                victim = self.running[-1]
+                if victim is seq:  # the newest: take what fits, or wait
+                    chunk = self._fitting_chunk(seq, chunk)
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+                rows = [r for r in rows if r.seq is not victim]
+                budget = self.max_num_batched_tokens - sum(r.num_new for r in rows)
+                chunk = min(seq.num_left, budget)
+            if chunk == 0:
+                continue
+            start = seq.num_computed
+            self.cache.append_tokens(seq.seq_id, seq.token_ids[start:start + chunk])
+            rows.append(ScheduledRow(seq, chunk))
+            budget -= chunk
+        decoding = set(map(id, decodes))
+        num_decodes = sum(1 for r in rows if id(r.seq) in decoding)
+        budget = self.max_num_batched_tokens - sum(r.num_new for r in rows)
+
+        cached = 0
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if self._seq_slots() + 1 + seq.pending_forks > self.max_num_seqs:
+                break
+            admitted = self._admit(seq, budget)
+            if admitted is None:
+                break
+            num_new, hits = admitted
+            self.waiting.popleft()
+            self.running.append(seq)
+            rows.append(ScheduledRow(seq, num_new))
+            budget -= num_new
+            cached += hits
+        return SchedulerOutput(rows, num_decodes, preempted, cached)
+
+    def _admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
+        """Add the sequence's first chunk to the cache; (tokens to compute, prefix-cache hits),
+        or None when its blocks do not fit now."""
+        tokens = seq.token_ids
+        end = min(len(tokens), budget)
+        try:
+            hits = self.cache.add_sequence(seq.seq_id, tokens[:end])
+        except CacheFull:
+            return None
+        if hits and end < len(tokens):  # the budget the hits saved takes more of the prompt
+            extra = min(len(tokens) - end, hits)
+            try:
+                self.cache.append_tokens(seq.seq_id, tokens[end:end + extra])
+                end += extra
+            except CacheFull:
+                pass
+        seq.in_cache = True
+        seq.num_computed = hits
+        seq.status = Status.RUNNING
+        metrics = seq.request.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = time.perf_counter()
+            seq.request.num_cached_prompt_tokens = hits
+        return end - hits, hits
+
+    def _fitting_chunk(self, seq: Sequence, chunk: int) -> int:
+        while chunk > 0 and not self.cache.can_allocate(
+                self.cache.blocks_needed_to_append([seq.seq_id], chunk)):
+            chunk //= 2
+        return chunk
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; it is recomputed from its tokens when admitted again."""
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.in_cache = False
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # -- after a step ------------------------------------------------------------------------
+    def insert_after(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Forked samples run right after their parent (same admission rank)."""
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.in_cache = False
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.in_cache:
+            self.cache.free(seq.seq_id)
+            seq.in_cache = False
+        seq.status = Status.FINISHED
