@@ -15,8 +15,9 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-# Host calls that wait for the device.
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# Host calls that wait for the device (cudaMemcpy without Async blocks the host).
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                        "cudaMemcpy"})
 PHASES = ("prefill", "decode_step", "sample", "metadata", "cache_update")
 
 
@@ -117,10 +118,11 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
     for e in events:
         if e.name in phases:
             phases[e.name] += (e.time_range.end - e.time_range.start) / 1e3
-        if any(e.name.startswith(s) for s in SYNC_CALLS) and e.device_type == torch.autograd.DeviceType.CPU:
+        if e.name in SYNC_CALLS and e.device_type == torch.autograd.DeviceType.CPU:
             syncs += 1
+        # On the device timeline, record_function labels show up too: they are not kernels.
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name \
-                and "Memset" not in e.name:
+                and "Memset" not in e.name and e.name not in phases:
             ms = (e.time_range.end - e.time_range.start) / 1e3
             intervals.append((e.time_range.start, e.time_range.end))
         elif not cuda and _is_top_level_op(e):
