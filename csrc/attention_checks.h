@@ -9,31 +9,30 @@ namespace pagedkv {
 
 inline bool is_supported_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
-// out, q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
-// block_tables: [B, max_blocks] int32; context_lens: [B] int32; workspace: fp32 (size checked by
-// the CUDA launcher, which knows the split count).
-inline void check_paged_decode_args(const at::Tensor& out, const at::Tensor& q,
-                                    const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                    const at::Tensor& block_tables,
-                                    const at::Tensor& context_lens, const at::Tensor& workspace,
-                                    int64_t num_splits) {
+// The contract both paged attention ops share. out, q: [rows, Hq, D] (head_dim contiguous; rows
+// are sequences for decode, tokens for prefill, named by q_rows in messages); k_cache, v_cache:
+// [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] int32 with B = batch when
+// batch >= 0 (decode: one row per q row); context_lens: [B] int32.
+inline void check_paged_kv_args(const at::Tensor& out, const at::Tensor& q,
+                                const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                const char* q_rows, int64_t batch) {
   check_float_dtype(q, "q");
   check_same_dtype(out, q, "out", "q");
   check_same_dtype(k_cache, q, "k_cache", "q");
   check_same_dtype(v_cache, q, "v_cache", "q");
   for (const auto& [t, name] : {std::pair{&out, "out"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"},
-                                {&block_tables, "block_tables"}, {&context_lens, "context_lens"},
-                                {&workspace, "workspace"}}) {
+                                {&block_tables, "block_tables"}, {&context_lens, "context_lens"}}) {
     check_same_device(*t, q, name, "q");
   }
-  TORCH_CHECK(q.dim() == 3, "pagedkv: q must have shape [batch, num_q_heads, head_dim], got ",
+  TORCH_CHECK(q.dim() == 3, "pagedkv: q must have shape [", q_rows, ", num_q_heads, head_dim], got ",
               q.sizes());
   check_same_shape(out, q, "out", "q");
   TORCH_CHECK(k_cache.dim() == 4,
               "pagedkv: k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
               k_cache.sizes());
   check_same_shape(v_cache, k_cache, "v_cache", "k_cache");
-  const int64_t batch = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(is_supported_head_dim(head_dim), "pagedkv: q has head_dim ", head_dim,
               "; allowed: 64, 128, 256");
@@ -52,10 +51,17 @@ inline void check_paged_decode_args(const at::Tensor& out, const at::Tensor& q,
   check_contiguous(v_cache, "v_cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt, "pagedkv: block_tables has dtype ",
               block_tables.scalar_type(), "; allowed: torch.int32");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
-                  block_tables.size(1) >= 1,
-              "pagedkv: block_tables must have shape [batch, max_blocks] = [", batch,
-              ", >= 1], got ", block_tables.sizes());
+  if (batch >= 0) {
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                    block_tables.size(1) >= 1,
+                "pagedkv: block_tables must have shape [batch, max_blocks] = [", batch,
+                ", >= 1], got ", block_tables.sizes());
+  } else {
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(1) >= 1,
+                "pagedkv: block_tables must have shape [batch, max_blocks >= 1], got ",
+                block_tables.sizes());
+    batch = block_tables.size(0);
+  }
   check_contiguous(block_tables, "block_tables");
   TORCH_CHECK(block_tables.size(1) * block_size <= INT32_MAX, "pagedkv: block_tables has ",
               block_tables.size(1), " columns of ", block_size,
@@ -63,9 +69,22 @@ inline void check_paged_decode_args(const at::Tensor& out, const at::Tensor& q,
   TORCH_CHECK(context_lens.scalar_type() == at::kInt, "pagedkv: context_lens has dtype ",
               context_lens.scalar_type(), "; allowed: torch.int32");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == batch,
-              "pagedkv: context_lens must have shape [batch] = [", batch, "], got ",
-              context_lens.sizes());
+              "pagedkv: context_lens must have shape [batch] = [", batch,
+              "] (block_tables' rows), got ", context_lens.sizes());
   check_contiguous(context_lens, "context_lens");
+}
+
+// paged_decode_attention: one query row per sequence (q: [B, Hq, D]); workspace: fp32 (size
+// checked by the CUDA launcher, which knows the split count).
+inline void check_paged_decode_args(const at::Tensor& out, const at::Tensor& q,
+                                    const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                    const at::Tensor& block_tables,
+                                    const at::Tensor& context_lens, const at::Tensor& workspace,
+                                    int64_t num_splits) {
+  TORCH_CHECK(q.dim() == 3, "pagedkv: q must have shape [batch, num_q_heads, head_dim], got ",
+              q.sizes());
+  check_paged_kv_args(out, q, k_cache, v_cache, block_tables, context_lens, "batch", q.size(0));
+  check_same_device(workspace, q, "workspace", "q");
   TORCH_CHECK(workspace.scalar_type() == at::kFloat, "pagedkv: workspace has dtype ",
               workspace.scalar_type(), "; allowed: torch.float32");
   check_contiguous(workspace, "workspace");

@@ -1,10 +1,10 @@
 // Argument checks of paged_prefill_attention, shared by the CPU and CUDA implementations so both
-// reject a bad call with the same message. The cache-side checks are the decode op's.
+// reject a bad call with the same message. The cache-side checks are shared with the decode op
+// (attention_checks.h).
 #pragma once
 #include <torch/types.h>
 
 #include "attention_checks.h"
-#include "checks.h"
 
 namespace pagedkv {
 
@@ -15,55 +15,9 @@ inline void check_paged_prefill_args(const at::Tensor& out, const at::Tensor& q,
                                      const at::Tensor& block_tables,
                                      const at::Tensor& context_lens,
                                      const at::Tensor& query_start_loc, int64_t max_query_len) {
-  check_float_dtype(q, "q");
-  check_same_dtype(out, q, "out", "q");
-  check_same_dtype(k_cache, q, "k_cache", "q");
-  check_same_dtype(v_cache, q, "v_cache", "q");
-  for (const auto& [t, name] : {std::pair{&out, "out"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"},
-                                {&block_tables, "block_tables"}, {&context_lens, "context_lens"},
-                                {&query_start_loc, "query_start_loc"}}) {
-    check_same_device(*t, q, name, "q");
-  }
-  TORCH_CHECK(q.dim() == 3, "pagedkv: q must have shape [num_tokens, num_q_heads, head_dim], got ",
-              q.sizes());
-  check_same_shape(out, q, "out", "q");
-  TORCH_CHECK(k_cache.dim() == 4,
-              "pagedkv: k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
-              k_cache.sizes());
-  check_same_shape(v_cache, k_cache, "v_cache", "k_cache");
-  const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(is_supported_head_dim(head_dim), "pagedkv: q has head_dim ", head_dim,
-              "; allowed: 64, 128, 256");
-  TORCH_CHECK(k_cache.size(3) == head_dim, "pagedkv: k_cache has head_dim ", k_cache.size(3),
-              " but q has ", head_dim, "; they must match");
-  TORCH_CHECK(block_size >= 8 && block_size <= 128 && (block_size & (block_size - 1)) == 0,
-              "pagedkv: k_cache has block_size ", block_size,
-              " (dim 1); allowed: a power of two from 8 to 128");
-  TORCH_CHECK(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0, "pagedkv: q has ",
-              num_q_heads, " heads and k_cache ", num_kv_heads,
-              " kv heads; num_q_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1,
-              "pagedkv: q and out must have a contiguous last (head_dim) dimension, got strides ",
-              q.strides(), " and ", out.strides());
-  check_contiguous(k_cache, "k_cache");
-  check_contiguous(v_cache, "v_cache");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt, "pagedkv: block_tables has dtype ",
-              block_tables.scalar_type(), "; allowed: torch.int32");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(1) >= 1,
-              "pagedkv: block_tables must have shape [batch, max_blocks >= 1], got ",
-              block_tables.sizes());
-  check_contiguous(block_tables, "block_tables");
+  check_paged_kv_args(out, q, k_cache, v_cache, block_tables, context_lens, "num_tokens", -1);
+  check_same_device(query_start_loc, q, "query_start_loc", "q");
   const int64_t batch = block_tables.size(0);
-  TORCH_CHECK(block_tables.size(1) * block_size <= INT32_MAX, "pagedkv: block_tables has ",
-              block_tables.size(1), " columns of ", block_size,
-              " tokens; at most 2^31 - 1 tokens per sequence");
-  TORCH_CHECK(context_lens.scalar_type() == at::kInt, "pagedkv: context_lens has dtype ",
-              context_lens.scalar_type(), "; allowed: torch.int32");
-  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == batch,
-              "pagedkv: context_lens must have shape [batch] = [", batch,
-              "] (block_tables' rows), got ", context_lens.sizes());
-  check_contiguous(context_lens, "context_lens");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt, "pagedkv: query_start_loc has dtype ",
               query_start_loc.scalar_type(), "; allowed: torch.int32");
   TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == batch + 1,

@@ -12,27 +12,11 @@
 #include <vector>
 
 #include "attention_checks.h"
+#include "cpu/table_checks.h"
 #include "kernels/paged_attention_plan.h"
 
 namespace pagedkv {
 namespace {
-
-void check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens,
-                  int64_t block_size, int64_t num_blocks) {
-  const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
-  const int* table = block_tables.const_data_ptr<int>();
-  const int* lens = context_lens.const_data_ptr<int>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * block_size, "pagedkv: context_lens[", b,
-                "] is ", lens[b], "; allowed: 0 to max_blocks * block_size = ",
-                max_blocks * block_size);
-    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
-      const int block = table[b * max_blocks + i];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "pagedkv: block_tables[", b, ", ", i,
-                  "] is ", block, "; allowed: 0 to num_blocks - 1 = ", num_blocks - 1);
-    }
-  }
-}
 
 template <typename T>
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/table_checks.h"
 #include "prefill_checks.h"
 
 namespace pagedkv {
@@ -21,9 +22,7 @@ constexpr int64_t kChunk = 16;  // query tokens per pass over the context
 void check_metadata(const at::Tensor& block_tables, const at::Tensor& context_lens,
                     const at::Tensor& query_start_loc, int64_t num_tokens, int64_t max_query_len,
                     int64_t block_size, int64_t num_blocks) {
-  const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
-  const int* table = block_tables.const_data_ptr<int>();
-  const int* lens = context_lens.const_data_ptr<int>();
+  const int64_t batch = block_tables.size(0);
   const int* qsl = query_start_loc.const_data_ptr<int>();
   TORCH_CHECK(batch == 0 || (qsl[0] >= 0 && qsl[batch] <= num_tokens),
               "pagedkv: query_start_loc runs from ", qsl[0], " to ", qsl[batch],
@@ -33,15 +32,8 @@ void check_metadata(const at::Tensor& block_tables, const at::Tensor& context_le
     TORCH_CHECK(q_len >= 0 && q_len <= max_query_len, "pagedkv: sequence ", b, " has ", q_len,
                 " query tokens (query_start_loc[", b + 1, "] - query_start_loc[", b,
                 "]); allowed: 0 to max_query_len = ", max_query_len);
-    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * block_size, "pagedkv: context_lens[", b,
-                "] is ", lens[b], "; allowed: 0 to max_blocks * block_size = ",
-                max_blocks * block_size);
-    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
-      const int block = table[b * max_blocks + i];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "pagedkv: block_tables[", b, ", ", i,
-                  "] is ", block, "; allowed: 0 to num_blocks - 1 = ", num_blocks - 1);
-    }
   }
+  check_tables(block_tables, context_lens, block_size, num_blocks);
 }
 
 template <typename T>

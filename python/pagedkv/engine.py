@@ -10,7 +10,7 @@ slots; ONE forward then runs decode tokens and prefill chunks together as a flat
 logits of every sequence that reached its end are sampled, and finished sequences free their
 blocks at once. A decode-only step uses paged decode attention (padded to a batch bucket on
 CUDA, ready for CUDA graphs); a step with prefill chunks uses paged prefill attention for all
-rows (decode rows are query length 1), see attention.py.
+rows (decode rows are query length 1): ops.paged_prefill_attention.
 """
 
 from __future__ import annotations
