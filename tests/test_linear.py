@@ -1,4 +1,5 @@
-"""pagedkv.ops.linear against F.linear: the decode-sized kernel (<= 8 rows) and the cuBLAS path."""
+"""pagedkv.ops.linear and gate_up_silu against PyTorch: the CUDA-core kernel (1-2 rows), the
+tensor-core kernel (3-8 rows) and the cuBLAS path (more rows, fp32)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from pagedkv import ops
 from tolerance import assert_close_to_baseline
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ROWS = [1, 2, 3, 8, 33]  # beyond 2 rows CUDA takes cuBLAS
+ROWS = [1, 2, 3, 8, 9, 33]  # CUDA: 1-2 CUDA cores, 3-8 tensor cores, beyond cuBLAS
 SHAPES = [(64, 64), (200, 1024), (4608, 3584), (129, 18944)]  # (n, k)
+MMA_DTYPES = [torch.float16, torch.bfloat16]
+MMA_ROWS = list(range(3, 9))
+# W1's qkv and o, and n not a multiple of the 16-row tile with k not a multiple of the 32-wide slice.
+MMA_SHAPES = [(4608, 3584), (3584, 3584), (37, 3592), (200, 1048)]
 
 
 def reference(x, weight, bias):
@@ -31,6 +36,24 @@ def test_linear(device, dtype, rows, n, k, with_bias):
     weight = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
     bias = torch.randn(n, dtype=dtype, device=device) if with_bias else None
     out = torch.full((rows, n), float("nan"), dtype=dtype, device=device)
+    ops.linear(x, weight, bias, out=out)
+    assert_close_to_baseline(out, F.linear(x, weight, bias), reference(x, weight, bias))
+
+
+def strided_rows(rows, k, dtype):
+    """x [rows, k] as a row-strided view (16-byte aligned) of a wider random tensor."""
+    return torch.randn(rows, k + 24, dtype=dtype, device="cuda")[:, 8 : 8 + k]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
+@pytest.mark.parametrize("rows", MMA_ROWS)
+@pytest.mark.parametrize("n, k", MMA_SHAPES)
+def test_linear_tensor_core_rows(dtype, rows, n, k):
+    x = strided_rows(rows, k, dtype)
+    weight = torch.randn(n, k, dtype=dtype, device="cuda") / k**0.5
+    bias = torch.randn(n, dtype=dtype, device="cuda")
+    out = torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
     ops.linear(x, weight, bias, out=out)
     assert_close_to_baseline(out, F.linear(x, weight, bias), reference(x, weight, bias))
 
@@ -70,10 +93,11 @@ def test_bad_calls(device):
 
 
 @pytest.mark.cuda
-def test_captured_in_cuda_graph():
-    x = torch.randn(1, 3584, dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("rows", [1, 8])
+def test_captured_in_cuda_graph(rows):
+    x = torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda")
     weight = torch.randn(4608, 3584, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty(1, 4608, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(rows, 4608, dtype=torch.bfloat16, device="cuda")
     ops.linear(x, weight, out=out)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -101,6 +125,35 @@ def test_gate_up_silu(device, dtype, rows, i, k):
     gate_up = torch.randn(2 * i, k, dtype=dtype, device=device) / k**0.5
     out = torch.full((rows, i), float("nan"), dtype=dtype, device=device)
     ops.gate_up_silu(x, gate_up, out=out)
+    assert_close_to_baseline(out, reference_gate_up_silu(x, gate_up),
+                             reference_gate_up_silu(x.double(), gate_up.double()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
+@pytest.mark.parametrize("rows", MMA_ROWS)
+@pytest.mark.parametrize("i, k", [(18944, 3584), (37, 3592), (1000, 1048)])
+def test_gate_up_silu_tensor_core_rows(dtype, rows, i, k):
+    x = strided_rows(rows, k, dtype)
+    gate_up = torch.randn(2 * i, k, dtype=dtype, device="cuda") / k**0.5
+    out = torch.full((rows, i), float("nan"), dtype=dtype, device="cuda")
+    ops.gate_up_silu(x, gate_up, out=out)
+    assert_close_to_baseline(out, reference_gate_up_silu(x, gate_up),
+                             reference_gate_up_silu(x.double(), gate_up.double()))
+
+
+@pytest.mark.cuda
+def test_gate_up_silu_captured_in_cuda_graph():
+    x = torch.randn(8, 3584, dtype=torch.bfloat16, device="cuda")
+    gate_up = torch.randn(2 * 18944, 3584, dtype=torch.bfloat16, device="cuda") / 3584**0.5
+    out = torch.empty(8, 18944, dtype=torch.bfloat16, device="cuda")
+    ops.gate_up_silu(x, gate_up, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.gate_up_silu(x, gate_up, out=out)
+    x.normal_()
+    out.fill_(float("nan"))
+    graph.replay()
     assert_close_to_baseline(out, reference_gate_up_silu(x, gate_up),
                              reference_gate_up_silu(x.double(), gate_up.double()))
 

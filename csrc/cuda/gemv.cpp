@@ -1,5 +1,6 @@
-// CUDA launcher of pagedkv::linear: the weight-streaming kernel (csrc/kernels/gemv.cu) for up to
-// kGemvMaxRows rows of 16-bit activations, cuBLAS through ATen (into `out`) otherwise.
+// CUDA launchers of pagedkv::linear and pagedkv::gate_up_silu for 16-bit activations: the
+// CUDA-core weight-streaming kernel (kernels/gemv.cu) for up to kGemvMaxRows rows, the
+// tensor-core one (kernels/gemv_mma.cu) up to kGemvMmaMaxRows, cuBLAS through ATen otherwise.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -12,10 +13,15 @@ namespace {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The weight-streaming kernel takes <= kGemvMaxRows rows of 16-bit x with 16-byte rows.
-bool fits_gemv_kernel(const at::Tensor& x2, const at::Tensor& weight) {
-  return x2.size(0) <= kernels::kGemvMaxRows && x2.element_size() == 2 && x2.size(1) % 8 == 0 &&
-         x2.stride(0) % 8 == 0 && aligned16(x2.data_ptr()) && aligned16(weight.data_ptr());
+enum class Path { kGemv, kGemvMma, kCublas };
+
+// The weight-streaming kernels take 16-bit x with 16-byte rows: <= kGemvMaxRows rows on CUDA
+// cores, <= kGemvMmaMaxRows on tensor cores.
+Path gemv_path(const at::Tensor& x2, const at::Tensor& weight) {
+  const bool fits = x2.element_size() == 2 && x2.size(1) % 8 == 0 && x2.stride(0) % 8 == 0 &&
+                    aligned16(x2.data_ptr()) && aligned16(weight.data_ptr());
+  if (!fits || x2.size(0) > kernels::kGemvMmaMaxRows) return Path::kCublas;
+  return x2.size(0) <= kernels::kGemvMaxRows ? Path::kGemv : Path::kGemvMma;
 }
 
 }  // namespace
@@ -30,7 +36,14 @@ void linear_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   const int64_t m = x.numel() / k;
   const at::Tensor x2 = x.reshape({m, k});  // a view: the last dim is contiguous (checked)
   at::Tensor out2 = out.view({m, n});
-  if (fits_gemv_kernel(x2, weight)) {  // bias is read one element at a time: any alignment
+  const Path path = gemv_path(x2, weight);
+  if (path == Path::kGemvMma) {  // bias is read one element at a time: any alignment
+    C10_CUDA_CHECK(kernels::gemv_mma(out2.data_ptr(), x2.const_data_ptr(), x2.stride(0),
+                                     weight.const_data_ptr(), bias ? bias->const_data_ptr() : nullptr,
+                                     static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                                     /*silu_mul=*/false, kernel_dtype(x),
+                                     c10::cuda::getCurrentCUDAStream()));
+  } else if (path == Path::kGemv) {
     C10_CUDA_CHECK(kernels::gemv(out2.data_ptr(), x2.const_data_ptr(), x2.stride(0),
                                  weight.const_data_ptr(), bias ? bias->const_data_ptr() : nullptr,
                                  static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
@@ -52,7 +65,13 @@ void gate_up_silu_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& g
   const int64_t i = gate_up.size(0) / 2;
   const int64_t m = x.numel() / k;
   const at::Tensor x2 = x.reshape({m, k});
-  if (fits_gemv_kernel(x2, gate_up)) {
+  const Path path = gemv_path(x2, gate_up);
+  if (path == Path::kGemvMma) {
+    C10_CUDA_CHECK(kernels::gemv_mma(out.data_ptr(), x2.const_data_ptr(), x2.stride(0),
+                                     gate_up.const_data_ptr(), nullptr, static_cast<int>(m),
+                                     static_cast<int>(i), static_cast<int>(k), /*silu_mul=*/true,
+                                     kernel_dtype(x), c10::cuda::getCurrentCUDAStream()));
+  } else if (path == Path::kGemv) {
     C10_CUDA_CHECK(kernels::gemv_silu_mul(out.data_ptr(), x2.const_data_ptr(), x2.stride(0),
                                           gate_up.const_data_ptr(), static_cast<int>(m),
                                           static_cast<int>(i), static_cast<int>(k),

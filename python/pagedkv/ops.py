@@ -44,9 +44,9 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear``: x [..., K] (last dim contiguous) @ weight [N, K]^T + bias [N] -> [..., N].
 
-    On CUDA, 1-2 rows of bf16/fp16 x use pagedkv's weight-streaming kernel (small-batch decode
-    steps are bound by reading the weight once; it beats cuBLAS there); more rows, or fp32, use
-    cuBLAS.
+    On CUDA, 1-8 rows of bf16/fp16 x use pagedkv's weight-streaming kernels (small-batch decode
+    steps are bound by reading the weight once): CUDA cores for 1-2 rows, tensor cores for 3-8;
+    more rows, or fp32, use cuBLAS.
     """
     if out is None:
         out = x.new_empty((*x.shape[:-1], weight.shape[0]))
@@ -58,7 +58,7 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor | Non
     """The MLP's first half, HF's rounding: ``silu(x @ gate^T) * (x @ up^T)``.
 
     x: [..., K] (last dim contiguous); gate_up: [2 * I, K], the gate rows then the up rows (the
-    fused weight); out: [..., I]. On CUDA, 1-2 rows of bf16/fp16 x run as one weight-streaming
+    fused weight); out: [..., I]. On CUDA, 1-8 rows of bf16/fp16 x run as one weight-streaming
     kernel (no [.., 2 * I] intermediate, no second launch); otherwise a GEMM + silu_and_mul.
     """
     if out is None:

@@ -1,0 +1,218 @@
+// Skinny GEMM for 3..kGemvMmaMaxRows rows of x on tensor cores: out^T[n, m] = W[n, k] x^T with
+// mma.sync.m16n8k16 (A = 16 weight rows x 16 k, B = 16 k x 8 rows of x zero-padded, C fp32).
+// Weight streaming without shared memory: a dot product's k order is free, so each lane loads
+// 16 contiguous bytes of its two weight rows and the fragments are filled in load order; x's B
+// fragment uses the same k permutation, which makes it 16 contiguous bytes of one x row too.
+// A CTA owns 16 weight rows (16 gate + 16 up rows for silu); its kSplit warps share k
+// round-robin in 32-wide slices (so qkv/o, 224-288 tiles, still get ~900-1150 warps) and reduce
+// through shared memory at the end. x is read once per 16x32 weight tile, from L1.
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/common.cuh"
+#include "kernels/gemv.h"
+#include "kernels/silu.cuh"
+
+namespace pagedkv::kernels {
+namespace {
+
+constexpr int kSplit = 4;   // warps per CTA sharing one 16-row tile's k range
+constexpr int kUnroll = 4;  // 32-wide k-slices loaded per warp before the first mma
+constexpr int kSlice = 32;  // k per slice: 4 lanes x 8 elements per weight row
+
+__device__ __forceinline__ uint4 load_streaming(const void* p) {  // see gemv.cu
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// c += a * b, m16n8k16, row.col. PTX ISA fragment layout, g = lane / 4, t = lane % 4:
+//   a[0] = A[g][2t..2t+1]   a[1] = A[g+8][2t..2t+1]   a[2] = A[g][2t+8..2t+9]   a[3] = A[g+8][2t+8..2t+9]
+//   b[0] = B[2t..2t+1][g]   b[1] = B[2t+8..2t+9][g]
+//   c[0..1] = C[g][2t..2t+1]                          c[2..3] = C[g+8][2t..2t+1]
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// One 32-wide k-slice: lane (g, t) holds lo = W[g][s+8t .. s+8t+7], hi = W[g+8][same k] and
+// xv = x[g][same k]. Two mma k-steps j = 0, 1 map fragment k slot 2t+h to k = s+8t+4j+h and slot
+// 2t+8+h to k = s+8t+4j+2+h (h = 0, 1): a bijection onto the slice, the same for A and B.
+template <typename T>
+__device__ __forceinline__ void mma_slice(float (&c)[4], const uint4& lo, const uint4& hi,
+                                          const uint4& xv) {
+  mma<T>(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+  mma<T>(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+}
+
+// kAcc = 1: out [m, n] = x @ weight^T + bias. kAcc = 2 (silu): weight [2n, k] is gate rows then
+// up rows; out [m, n] = silu(x @ gate^T) * (x @ up^T), each product rounded to T first (HF).
+// x [m, k] has row stride x_stride; k % 8 == 0. Rows of the tile past n are clamped (read, not
+// stored); x rows past m and k past the end are zeros.
+template <typename T, int kAcc>
+__global__ void __launch_bounds__(kSplit * 32)
+    gemv_mma_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
+                    const T* __restrict__ weight, const T* __restrict__ bias, int m, int n, int k) {
+  __shared__ float partial[kSplit - 1][kAcc][4][32];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int row0 = blockIdx.x * 16;
+
+  const T* w_lo[kAcc];
+  const T* w_hi[kAcc];
+#pragma unroll
+  for (int a = 0; a < kAcc; ++a) {
+    const int64_t base = static_cast<int64_t>(a) * n;
+    w_lo[a] = weight + (base + min(row0 + g, n - 1)) * k + 8 * t;
+    w_hi[a] = weight + (base + min(row0 + g + 8, n - 1)) * k + 8 * t;
+  }
+  // Lanes of x rows past m read row 0 and zero it with a mask: a select, not a branch, so the
+  // compiler keeps every load of an unrolled step ahead of the mmas.
+  const uint32_t x_mask = g < m ? ~0u : 0u;
+  const T* x_ptr = x + static_cast<int64_t>(g < m ? g : 0) * x_stride + 8 * t;
+  auto load_x = [&](int s) -> uint4 {
+    uint4 v = *reinterpret_cast<const uint4*>(x_ptr + s);
+    return make_uint4(v.x & x_mask, v.y & x_mask, v.z & x_mask, v.w & x_mask);
+  };
+
+  float c[kAcc][4];
+#pragma unroll
+  for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[a][i] = 0.f;
+
+  const int full = k / kSlice;  // whole slices; a partial one (8, 16 or 24 k) may follow
+  int sl = warp;
+  // Main loop, software-pipelined by hand: the loads of the next kUnroll slices are issued before
+  // the mmas of the current ones (ptxas otherwise sinks each load next to its mma). The last
+  // prefetch re-reads the current slices (an L2 hit) instead of branching.
+  if (sl + (kUnroll - 1) * kSplit < full) {
+    uint4 lo[kUnroll][kAcc], hi[kUnroll][kAcc], xv[kUnroll];
+    auto load = [&](int first) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int s = (first + u * kSplit) * kSlice;
+#pragma unroll
+        for (int a = 0; a < kAcc; ++a) {
+          lo[u][a] = load_streaming(w_lo[a] + s);
+          hi[u][a] = load_streaming(w_hi[a] + s);
+        }
+        xv[u] = load_x(s);
+      }
+    };
+    load(sl);
+    for (;;) {
+      uint4 lo_c[kUnroll][kAcc], hi_c[kUnroll][kAcc], xv_c[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        xv_c[u] = xv[u];
+#pragma unroll
+        for (int a = 0; a < kAcc; ++a) {
+          lo_c[u][a] = lo[u][a];
+          hi_c[u][a] = hi[u][a];
+        }
+      }
+      const int next = sl + kUnroll * kSplit;
+      const bool more = next + (kUnroll - 1) * kSplit < full;
+      load(more ? next : sl);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int a = 0; a < kAcc; ++a) mma_slice<T>(c[a], lo_c[u][a], hi_c[u][a], xv_c[u]);
+      sl = next;
+      if (!more) break;
+    }
+  }
+  for (; sl * kSlice < k; sl += kSplit) {  // leftover slices, the last maybe partial
+    const int s = sl * kSlice;
+    const bool in = s + 8 * t < k;  // k % 8 == 0: a lane's 8 elements are all in or all out
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    const uint4 xv = in ? load_x(s) : zero;
+#pragma unroll
+    for (int a = 0; a < kAcc; ++a) {
+      const uint4 lo = in ? load_streaming(w_lo[a] + s) : zero;
+      const uint4 hi = in ? load_streaming(w_hi[a] + s) : zero;
+      mma_slice<T>(c[a], lo, hi, xv);
+    }
+  }
+
+  if (warp > 0) {
+#pragma unroll
+    for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp - 1][a][i][lane] = c[a][i];
+  }
+  __syncthreads();
+  if (warp > 0) return;
+#pragma unroll
+  for (int w = 0; w < kSplit - 1; ++w)
+#pragma unroll
+    for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[a][i] += partial[w][a][i][lane];
+
+  // c[a][2h + e] = out^T[row0 + g + 8h][2t + e]: output column row0 + g + 8h, x row 2t + e.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int col = row0 + g + 8 * h;
+    if (col >= n) continue;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int i = 2 * t + e;
+      if (i >= m) continue;
+      T* dst = out + static_cast<int64_t>(i) * n + col;
+      if constexpr (kAcc == 2) {
+        *dst = silu_mul(from_float<T>(c[0][2 * h + e]), from_float<T>(c[1][2 * h + e]));
+      } else {
+        const float b = bias == nullptr ? 0.f : to_float(bias[col]);
+        *dst = from_float<T>(c[0][2 * h + e] + b);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t gemv_mma(void* out, const void* x, int64_t x_stride, const void* weight,
+                     const void* bias, int m, int n, int k, bool silu_mul, DType dtype,
+                     cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  if (m > kGemvMmaMaxRows) return cudaErrorInvalidValue;
+  return dispatch_dtype(dtype, [&](auto tag) -> cudaError_t {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) != 2) {
+      return cudaErrorInvalidValue;  // fp32 goes to cuBLAS (the launcher decides)
+    } else {
+      auto* o = static_cast<T*>(out);
+      auto* xs = static_cast<const T*>(x);
+      auto* w = static_cast<const T*>(weight);
+      auto* b = static_cast<const T*>(bias);
+      const int blocks = (n + 15) / 16;
+      if (silu_mul) {
+        gemv_mma_kernel<T, 2><<<blocks, kSplit * 32, 0, stream>>>(o, xs, x_stride, w, nullptr, m, n, k);
+      } else {
+        gemv_mma_kernel<T, 1><<<blocks, kSplit * 32, 0, stream>>>(o, xs, x_stride, w, b, m, n, k);
+      }
+      return cudaGetLastError();
+    }
+  });
+}
+
+}  // namespace pagedkv::kernels
