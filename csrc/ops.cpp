@@ -8,11 +8,11 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   // residual = input + residual; input = weight * rms_normalize(residual). Both in place.
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
-  // out = x @ weight^T + bias; decode-sized x (<= 2 rows, 16-bit) streams the weight in a kernel
+  // out = x @ weight^T + bias; decode-sized x (<= 8 rows, 16-bit) streams the weight in a kernel
   // of ours at memory bandwidth, anything larger goes to cuBLAS.
   m.def("linear(Tensor! out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   // out = silu(x @ gate^T) * (x @ up^T), gate_up = [gate; up] rows: the MLP's first half in one
-  // op (one weight-streaming kernel for <= 2 rows of x; cuBLAS + silu_and_mul beyond).
+  // op (one weight-streaming kernel for <= 8 rows of x; cuBLAS + silu_and_mul beyond).
   m.def("gate_up_silu(Tensor! out, Tensor x, Tensor gate_up) -> ()");
   // out[b, h] = softmax(scale * q[b, h] . K) V over the context_lens[b] tokens block_tables[b] maps
   // to in k_cache/v_cache; workspace: fp32 split partials; num_splits 0: paged_decode_num_splits.
