@@ -11,8 +11,6 @@
 namespace pagedkv {
 namespace {
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 enum class Path { kGemv, kGemvMma, kCublas };
 
 // The weight-streaming kernels take 16-bit x with 16-byte rows: <= kGemvMaxRows rows on CUDA

@@ -13,8 +13,6 @@
 namespace pagedkv {
 namespace {
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Read once per device, then cached: a driver query per call would cost more than the launch.
 int sm_count(int device) {
   static std::array<std::atomic<int>, 64> cache{};  // 0: not read yet

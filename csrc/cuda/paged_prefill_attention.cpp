@@ -9,12 +9,6 @@
 #include "prefill_checks.h"
 
 namespace pagedkv {
-namespace {
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-}  // namespace
-
 void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens,

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/types.h>
 
+#include "kernels/alignment.h"
 #include "kernels/dtype.h"
 
 namespace pagedkv {

@@ -33,8 +33,6 @@ __global__ void __launch_bounds__(kThreads) silu_and_mul_kernel(T* __restrict__ 
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 cudaError_t silu_and_mul(void* out, const void* x, int64_t rows, int64_t intermediate, DType dtype,

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/alignment.h"
 #include "kernels/dtype.h"
 
 namespace pagedkv::kernels {

@@ -56,8 +56,6 @@ __global__ void rms_norm_kernel(T* out, T* residual, const T* input,
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 template <bool kAddResidual>
 cudaError_t launch(void* out, void* residual, const void* input, const void* weight, int64_t rows,
                    int hidden, float epsilon, DType dtype, cudaStream_t stream) {

@@ -136,8 +136,6 @@ __global__ void __launch_bounds__(kThreads) rope_and_write_kv_kernel(const RopeA
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 cudaError_t rope_and_write_kv(const RopeArgs& a, DType dtype, cudaStream_t stream) {

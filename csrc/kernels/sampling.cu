@@ -247,8 +247,6 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleArgs a)
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 cudaError_t sample(const SampleArgs& a, DType dtype, cudaStream_t stream) {
