@@ -106,12 +106,21 @@ def reference_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     return out
 
 
+def counter_floats(q: torch.Tensor) -> int:
+    """The split workspace opens with B * Hq int32 merge counters, padded to 4."""
+    return -(-q.shape[0] * q.shape[1] // 4) * 4
+
+
 def run_and_check(q, k_cache, v_cache, table, lens, num_splits=0, out=None):
     scale = q.shape[-1] ** -0.5
     out = torch.full_like(q, float("nan")) if out is None else out.fill_(float("nan"))
-    workspace = ops.paged_decode_workspace(q, k_cache, table, num_splits).fill_(float("nan"))
+    workspace = ops.paged_decode_workspace(q, k_cache, table, num_splits)
+    counters = workspace[:counter_floats(q)].view(torch.int32)  # must start (and end) at zero
+    workspace[counters.numel():].fill_(float("nan"))
     ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, out=out,
                                workspace=workspace, num_splits=num_splits)
+    if workspace.numel():
+        assert (counters == 0).all(), "the split merge must leave its counters at zero"
     args = (q, k_cache, v_cache, table, lens, scale)
     assert_close_to_baseline(
         out,
@@ -241,7 +250,9 @@ def test_workspace_is_empty_on_cpu_and_sized_for_forced_splits():
     q = torch.randn(3, 8, 64)
     k_cache, _, table, _ = make_paged_cache([10, 20, 30], 2, 64, 8, torch.float32, "cpu")
     assert ops.paged_decode_workspace(q, k_cache, table).numel() == 0
-    assert ops.paged_decode_workspace(q, k_cache, table, num_splits=4).numel() == 3 * 8 * 4 * (64 + 2)
+    workspace = ops.paged_decode_workspace(q, k_cache, table, num_splits=4)
+    assert workspace.numel() == 24 + 3 * 8 * 4 * (64 + 2)  # counters, then partials and stats
+    assert (workspace == 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,11 +12,11 @@ def test_profile_cli_compares_with_hf(tmp_path, capsys):
                              "--device", "cpu", "--out", str(tmp_path)])
     ours, hf = profiles
     printed = capsys.readouterr().out
-    for row in ("wall ms / step", "idle gap share", "kernel launches / step", "host syncs / step",
+    for row in ("wall ms / step, not profiled", "wall ms / step, profiled", "idle gap share", "kernel launches / step", "host syncs / step",
                 "top kernels per step, HF generate"):
         assert row in printed
     assert ours.system == "pagedkv" and hf.system == "HF generate"
-    assert ours.kernels > 0 and hf.kernels > 0 and ours.wall_ms > 0
+    assert ours.kernels > 0 and hf.kernels > 0 and ours.wall_ms > 0 and ours.unprofiled_wall_ms > 0
     assert ours.phases_ms["decode_step"] > 0  # pagedkv's labels are in the trace
     assert hf.phases_ms["cache_update"] > 0  # HF's DynamicCache updates were labelled
     assert any(name.startswith("pagedkv::") for name, _, _ in ours.top_kernels)

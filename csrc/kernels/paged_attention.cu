@@ -3,14 +3,16 @@
 //
 // Inside a CTA, 4 warps take turns over the split's tokens. A token row of one kv head
 // (head_dim elements) is read by kLanes lanes with 16-byte loads, so a warp reads
-// 32 / kLanes tokens side by side and kSteps of those per iteration: every lane has kSteps K
-// and kSteps V loads in flight before it computes. Each lane keeps the scaled query slice of every
+// 32 / kLanes tokens side by side and kSteps of those per iteration: every lane issues kSteps K
+// and kSteps V loads per iteration. Each lane keeps the scaled query slice of every
 // head of the group and an fp32 online softmax (max, sum, output slice) for the tokens its lane
 // group saw; at the end the lane groups merge by shuffles, the warps through shared memory.
 // Scores are kept in log2 units (the query is pre-scaled by scale * log2(e)), so exp2f suffices.
 //
-// With num_splits > 1 each CTA writes its normalized partial output and (max, sum) to the
-// workspace, and a second kernel merges the splits of each (sequence, query head).
+// Each lane double-buffers its K/V rows: the next iteration's loads are in flight during this one's
+// math. With num_splits > 1 each CTA of a sequence that spans several splits writes its
+// normalized partial output and (max, sum) to the workspace, and the last CTA of the sequence's
+// head chunk to finish (an atomic counter in the workspace) merges them: one launch in all.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -34,8 +36,9 @@ struct Tile {
   static constexpr int kVecsPerLane = D / (kVec * kLanes);          // 16-byte loads per row, lane
   static constexpr int kElems = kVecsPerLane * kVec;                // head_dim elements per lane
   static constexpr int kTokensSideBySide = 32 / kLanes;             // tokens per warp load
-  // Loads in flight per lane: 4 K + 4 V rows; halved when the group's registers are large.
-  static constexpr int kSteps = std::max(1, (G >= 8 ? 2 : 4) / kVecsPerLane);
+  // Token rows per lane per iteration, K and V each; the loop double-buffers them, so up to
+  // 2 x kSteps x 2 loads of 16 bytes are in flight per lane.
+  static constexpr int kSteps = std::max(1, 2 / kVecsPerLane);
   static constexpr int kTokensPerIter = kTokensSideBySide * kSteps;  // per warp
   static_assert(D % (kVec * kLanes) == 0, "head_dim must be a multiple of 16 bytes x lanes");
 };
@@ -48,6 +51,7 @@ struct Plan {
   int block_shift;       // log2(block_size)
   int tokens_per_split;  // a multiple of block_size
   int max_tokens;        // max_blocks * block_size: context_lens are clamped to it
+  int64_t counter_floats;  // workspace floats before the partials: paged_decode_counter_floats
 };
 
 __device__ __forceinline__ uint4 load16(const void* p) {
@@ -80,12 +84,6 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float* f, float) {
   f[1] = __uint_as_float(raw.y);
   f[2] = __uint_as_float(raw.z);
   f[3] = __uint_as_float(raw.w);
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
 }
 
 __device__ __forceinline__ int clamp_context(const int* context_lens, int b, int max_tokens) {
@@ -126,9 +124,9 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
 
   T* out = static_cast<T*>(a.out) + b * a.out_stride_b + head0 * a.out_stride_h;
   if (begin >= end) {
-    // Nothing to read. Without splits this is a padding row (context 0): write zeros. With
-    // splits the combine kernel skips this split (and writes the zeros of a padding row).
-    if (a.num_splits == 1) {
+    // Nothing to read. Split 0 of a padding row (context 0) writes its zeros; other splits past
+    // the context are not counted by the merge below.
+    if (split == 0) {
       const float zero[4] = {0.f, 0.f, 0.f, 0.f};
       for (int i = threadIdx.x; i < heads * (D / 4); i += kThreads) {
         store4(out + (i / (D / 4)) * a.out_stride_h + (i % (D / 4)) * 4, zero);
@@ -177,25 +175,21 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   const int slot_mask = (1 << plan.block_shift) - 1;
   constexpr int kWarpStride = kWarps * Tl::kTokensPerIter;
 
-  // Physical blocks of this lane's tokens, fetched one iteration ahead. A lane past the end reads
-  // the last token again instead (no branch around its loads; its score is masked): table
-  // entries past the context are never read.
-  int phys[kSteps];
-  auto fetch_blocks = [&](int base) {
+  // Physical blocks of a lane's tokens, fetched one iteration ahead of their K/V loads. A lane
+  // past the end reads the last token again instead (no branch around its loads; its score is
+  // masked): table entries past the context are never read.
+  auto fetch_blocks = [&](int (&phys)[kSteps], int base) {
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
       const int t = min(base + u * kSide + side, end - 1);
       phys[u] = __ldg(table + (t >> plan.block_shift));
     }
   };
-  int t0 = begin + warp * Tl::kTokensPerIter;
-  fetch_blocks(t0);
-
-  for (; t0 < end; t0 += kWarpStride) {  // t0 is warp-uniform: shuffles below see all lanes
-    uint4 kr[kSteps][kNv], vr[kSteps][kNv];
+  auto load_rows = [&](uint4 (&kr)[kSteps][kNv], uint4 (&vr)[kSteps][kNv],
+                       const int (&phys)[kSteps], int base) {
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
-      const int t = min(t0 + u * kSide + side, end - 1);
+      const int t = min(base + u * kSide + side, end - 1);
       const int64_t row = phys[u] * block_stride + (t & slot_mask) * token_stride + lane_offset;
 #pragma unroll
       for (int n = 0; n < kNv; ++n) {
@@ -203,8 +197,11 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
         vr[u][n] = load16(v_cache + row + n * kLanes * kVec);
       }
     }
-    fetch_blocks(t0 + kWarpStride);
+  };
 
+  // One iteration: this warp's kTokensPerIter tokens from `base` (warp-uniform, so the shuffles
+  // below see all lanes), folded into the running softmax.
+  auto consume = [&](const uint4 (&kr)[kSteps][kNv], const uint4 (&vr)[kSteps][kNv], int base) {
     // Scores: partial dot products over this lane's slice, summed over the kLanes lanes of the
     // token (xor offsets below kLanes stay inside the lane group).
     float s[kSteps][G];
@@ -235,7 +232,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
     // Online softmax: new running max, rescale what was accumulated, add this iteration.
     bool valid[kSteps];
 #pragma unroll
-    for (int u = 0; u < kSteps; ++u) valid[u] = t0 + u * kSide + side < end;
+    for (int u = 0; u < kSteps; ++u) valid[u] = base + u * kSide + side < end;
 #pragma unroll
     for (int h = 0; h < G; ++h) {
       float new_max = m[h];
@@ -265,6 +262,26 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
         for (int e = 0; e < kE; ++e) acc[h][e] = fmaf(s[u][h], vf[e], acc[h][e]);
       }
     }
+  };
+
+  // Double-buffered main loop: the K/V rows of the next iteration are in flight while this one
+  // is computed, so a lane always has loads outstanding (a single buffer left the memory system
+  // idle during each iteration's math: ~10% of bandwidth at large batch).
+  int phys_a[kSteps], phys_b[kSteps];
+  uint4 k_a[kSteps][kNv], v_a[kSteps][kNv], k_b[kSteps][kNv], v_b[kSteps][kNv];
+  int t0 = begin + warp * Tl::kTokensPerIter;
+  fetch_blocks(phys_a, t0);
+  fetch_blocks(phys_b, t0 + kWarpStride);
+  load_rows(k_a, v_a, phys_a, t0);
+  for (; t0 < end; t0 += 2 * kWarpStride) {
+    const int t1 = t0 + kWarpStride;
+    if (t1 < end) load_rows(k_b, v_b, phys_b, t1);
+    fetch_blocks(phys_a, t1 + kWarpStride);
+    consume(k_a, v_a, t0);
+    if (t1 >= end) break;
+    if (t1 + kWarpStride < end) load_rows(k_a, v_a, phys_a, t1 + kWarpStride);
+    fetch_blocks(phys_b, t1 + 2 * kWarpStride);
+    consume(k_b, v_b, t1);
   }
 
   // Merge the side-by-side lane groups of the warp (they hold the same head_dim slices).
@@ -307,6 +324,17 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   }
   __syncthreads();
 
+  // Splits holding part of this sequence's context. With one, the CTA has the whole softmax and
+  // writes the output directly (short contexts of a split bucket skip the workspace).
+  const int active = (ctx + plan.tokens_per_split - 1) / plan.tokens_per_split;
+  const int64_t row0 = (static_cast<int64_t>(b) * a.num_q_heads + head0) * a.num_splits;
+  // Workspace: merge counters [batch, num_q_heads] (int32, padded to 16 bytes), partial outputs
+  // [batch, num_q_heads, num_splits, D] (normalized), then (max, sum) [batch, num_q_heads,
+  // num_splits]. Counters first: a workspace sized for a larger batch serves a smaller one.
+  int* counters = reinterpret_cast<int*>(a.workspace);
+  float* partials = a.workspace + plan.counter_floats;
+  float2* stats = reinterpret_cast<float2*>(
+      partials + static_cast<int64_t>(a.batch) * a.num_q_heads * a.num_splits * D);
   for (int i = threadIdx.x; i < heads * (D / 4); i += kThreads) {
     const int h = i / (D / 4);
     const int d = (i % (D / 4)) * 4;
@@ -328,69 +356,54 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
     const float inv = 1.f / sum;  // sum >= 1: the split holds at least one token
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] *= inv;
-    if (a.num_splits == 1) {
+    if (active == 1) {
       store4(out + h * a.out_stride_h + d, o);
     } else {
-      // Workspace: partial outputs [batch, num_q_heads, num_splits, D], then (max, sum) pairs
-      // [batch, num_q_heads, num_splits].
-      const int64_t row = (static_cast<int64_t>(b) * a.num_q_heads + head0 + h) * a.num_splits + split;
-      store4(a.workspace + row * D + d, o);
-      if (d == 0) {
-        float2* stats = reinterpret_cast<float2*>(
-            a.workspace + static_cast<int64_t>(a.batch) * a.num_q_heads * a.num_splits * D);
-        stats[row] = make_float2(max_all, sum);
-      }
+      const int64_t row = row0 + h * a.num_splits + split;
+      store4(partials + row * D + d, o);
+      if (d == 0) stats[row] = make_float2(max_all, sum);
     }
   }
-}
+  if (active == 1) return;
 
-// One warp per (sequence, query head): weights each split's normalized partial output by
-// its share of the softmax sum. Splits past the sequence's context were never written.
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) combine_splits_kernel(const PagedDecodeArgs a, const Plan plan) {
-  constexpr int kPerLane = D / 32;  // 2, 4 or 8 consecutive outputs
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  if (row >= static_cast<int64_t>(a.batch) * a.num_q_heads) return;  // warp-uniform
-  const int b = static_cast<int>(row / a.num_q_heads);
-  const int h = static_cast<int>(row % a.num_q_heads);
-  T* out = static_cast<T*>(a.out) + b * a.out_stride_b + h * a.out_stride_h + lane * kPerLane;
-
-  const int ctx = clamp_context(a.context_lens, b, plan.max_tokens);
-  const int splits = (ctx + plan.tokens_per_split - 1) / plan.tokens_per_split;
-  float o[kPerLane];
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) o[j] = 0.f;
-  if (splits > 0) {
-    const int64_t partial_floats = static_cast<int64_t>(a.batch) * a.num_q_heads * a.num_splits * D;
-    const float2* stats = reinterpret_cast<const float2*>(a.workspace + partial_floats) + row * a.num_splits;
-    const float* partial = a.workspace + row * a.num_splits * D + lane * kPerLane;
+  // The last of the `active` CTAs of this (sequence, head chunk) to finish merges the splits
+  // (one launch instead of a second combine kernel). Each thread publishes its partials, then
+  // one thread counts the CTA in; the counter is reset by the last, ready for the next launch.
+  __shared__ bool s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter = counters + b * a.num_q_heads + head0;
+    s_last = atomicAdd(counter, 1) == active - 1;
+    if (s_last) *counter = 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < heads * (D / 4); i += kThreads) {
+    const int h = i / (D / 4);
+    const int d = (i % (D / 4)) * 4;
+    const int64_t row = row0 + h * a.num_splits;
+    // Other CTAs wrote these: read through L2 (__ldcg), never a stale L1 line.
     float max_all = kNegBig;
-    for (int s = lane; s < splits; s += 32) max_all = fmaxf(max_all, stats[s].x);
-    max_all = warp_max(max_all);
+    for (int sp = 0; sp < active; ++sp) max_all = fmaxf(max_all, __ldcg(&stats[row + sp]).x);
     float sum = 0.f;
-    for (int s = lane; s < splits; s += 32) sum += exp2f(stats[s].x - max_all) * stats[s].y;
-    sum = warp_sum(sum);
-    const float inv = 1.f / sum;
-    for (int s = 0; s < splits; ++s) {
-      const float2 st = stats[s];
-      const float weight = exp2f(st.x - max_all) * st.y * inv;
-#pragma unroll
-      for (int j = 0; j < kPerLane; j += 2) {
-        const float2 x = *reinterpret_cast<const float2*>(partial + static_cast<int64_t>(s) * D + j);
-        o[j] = fmaf(weight, x.x, o[j]);
-        o[j + 1] = fmaf(weight, x.y, o[j + 1]);
-      }
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int sp = 0; sp < active; ++sp) {
+      const float2 st = __ldcg(&stats[row + sp]);
+      const float weight = exp2f(st.x - max_all) * st.y;
+      sum += weight;
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(partials + (row + sp) * D + d));
+      o[0] = fmaf(weight, x.x, o[0]);
+      o[1] = fmaf(weight, x.y, o[1]);
+      o[2] = fmaf(weight, x.z, o[2]);
+      o[3] = fmaf(weight, x.w, o[3]);
     }
-  }
-  Vec<T, kPerLane> v;
+    const float inv = 1.f / sum;
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) v.v[j] = from_float<T>(o[j]);
-  if constexpr (sizeof(v) <= 16) {
-    *reinterpret_cast<Vec<T, kPerLane>*>(out) = v;
-  } else {
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) out[j] = v.v[j];
+    for (int j = 0; j < 4; ++j) o[j] *= inv;
+    store4(out + h * a.out_stride_h + d, o);
   }
 }
 
@@ -415,11 +428,6 @@ cudaError_t launch(const PagedDecodeArgs& a, const Plan& plan, int padded_group,
     case 8: launch_main<T, D, 8>(a, plan, ctas, stream); break;
     default: return cudaErrorInvalidValue;
   }
-  if (a.num_splits > 1) {
-    const int64_t rows = static_cast<int64_t>(a.batch) * a.num_q_heads;
-    const auto ctas_combine = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
-    combine_splits_kernel<T, D><<<ctas_combine, kThreads, 0, stream>>>(a, plan);
-  }
   return cudaGetLastError();
 }
 
@@ -440,6 +448,7 @@ cudaError_t paged_decode_attention(const PagedDecodeArgs& a, DType dtype, cudaSt
   plan.block_shift = log2_exact(a.block_size);
   plan.tokens_per_split = blocks_per_split * a.block_size;
   plan.max_tokens = a.max_blocks * a.block_size;
+  plan.counter_floats = paged_decode_counter_floats(a.batch, a.num_q_heads);
   const int64_t ctas = static_cast<int64_t>(a.batch) * a.num_kv_heads * a.num_splits * g.chunks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
 

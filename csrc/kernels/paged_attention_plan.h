@@ -65,11 +65,18 @@ inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t n
   return static_cast<int>(best);
 }
 
-// fp32 floats the split path needs: per (sequence, query head, split) a normalized partial
-// output [head_dim] and its softmax (max, sum). Zero without splits.
+// The split path's workspace, in fp32 units: int32 merge counters per (sequence, query head),
+// padded to 16 bytes, which must be zero before the first launch (the kernel leaves them zero);
+// then per (sequence, query head, split) a normalized partial output [head_dim] and its softmax
+// (max, sum). Zero without splits.
+inline int64_t paged_decode_counter_floats(int64_t batch, int64_t num_q_heads) {
+  return (batch * num_q_heads + 3) / 4 * 4;
+}
 inline int64_t paged_decode_workspace_floats(int64_t batch, int64_t num_q_heads,
                                              int64_t head_dim, int64_t num_splits) {
-  return num_splits <= 1 ? 0 : batch * num_q_heads * num_splits * (head_dim + 2);
+  return num_splits <= 1 ? 0
+                         : paged_decode_counter_floats(batch, num_q_heads) +
+                               batch * num_q_heads * num_splits * (head_dim + 2);
 }
 
 }  // namespace pagedkv::kernels

@@ -106,14 +106,20 @@ def paged_decode_workspace(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, num_splits: int = 0
 ) -> torch.Tensor:
     """The fp32 workspace ``paged_decode_attention`` needs for these shapes: allocate it once
-    (e.g. per CUDA graph bucket) and pass it to every call. Empty when no split is used.
+    (e.g. per decode step, shared by the layers) and pass it to every call of these shapes (or
+    of a smaller batch). Empty when no split is used.
+
+    Layout: B * Hq int32 merge counters (padded to 4) that must be zero before the first call
+    (this returns zeros; every call leaves them zero), then the split partials and their softmax
+    stats, which a call of a larger batch would read as counters: hence "these shapes".
 
     num_splits: the value that will be passed to paged_decode_attention (0 = automatic).
     """
     splits = num_splits or paged_decode_num_splits(q, k_cache, block_tables)
     batch, num_q_heads, head_dim = q.shape
-    numel = batch * num_q_heads * splits * (head_dim + 2) if splits > 1 else 0
-    return torch.empty(numel, dtype=torch.float32, device=q.device)
+    counters = (batch * num_q_heads + 3) // 4 * 4
+    numel = counters + batch * num_q_heads * splits * (head_dim + 2) if splits > 1 else 0
+    return torch.zeros(numel, dtype=torch.float32, device=q.device)
 
 
 def paged_decode_attention(

@@ -41,7 +41,8 @@ class StepProfile:
     """Per decode step, the difference of a long and a short run divided by the extra steps."""
 
     system: str
-    wall_ms: float
+    wall_ms: float  # under the profiler, whose per-launch cost inflates launch-heavy systems
+    unprofiled_wall_ms: float  # the same step timed without the profiler: the speed to quote
     kernel_ms: float
     gap_ms: float  # wall time with no kernel running
     gap_share: float
@@ -147,8 +148,25 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
     return RunTrace(wall_ms, kernel_ms, busy_ms, kernels, allocs, alloc_bytes, syncs, kernel_table, phases)
 
 
-def per_step(system: str, short: RunTrace, long: RunTrace, extra_steps: int, top: int = 8) -> StepProfile:
-    """The steady-state decode step: (long - short) / extra_steps for every number."""
+def time_run(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Best wall ms of `repeats` calls of fn, not profiled (the device drained before and after)."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best
+
+
+def per_step(system: str, short: RunTrace, long: RunTrace, extra_steps: int,
+             unprofiled_ms: tuple[float, float] = (float("nan"), float("nan")),
+             top: int = 8) -> StepProfile:
+    """The steady-state decode step: (long - short) / extra_steps for every number.
+    unprofiled_ms: wall ms of the short and the long call timed without the profiler."""
     d = float(extra_steps)
     wall = (long.wall_ms - short.wall_ms) / d
     busy = (long.busy_ms - short.busy_ms) / d
@@ -159,7 +177,8 @@ def per_step(system: str, short: RunTrace, long: RunTrace, extra_steps: int, top
         rows.append((name, (ms - ms0) / d, (calls - calls0) / d))
     rows.sort(key=lambda r: -r[1])
     return StepProfile(
-        system=system, wall_ms=wall, kernel_ms=(long.kernel_ms - short.kernel_ms) / d, gap_ms=gap,
+        system=system, wall_ms=wall, unprofiled_wall_ms=(unprofiled_ms[1] - unprofiled_ms[0]) / d,
+        kernel_ms=(long.kernel_ms - short.kernel_ms) / d, gap_ms=gap,
         gap_share=gap / wall if wall > 0 else float("nan"),
         kernels=(long.kernels - short.kernels) / d, allocs=(long.allocs - short.allocs) / d,
         alloc_bytes=(long.alloc_bytes - short.alloc_bytes) / d, syncs=(long.syncs - short.syncs) / d,
@@ -174,7 +193,8 @@ def side_by_side(profiles: list[StepProfile]) -> str:
         return format(v, spec)
 
     rows = [
-        ("wall ms / step", [fmt(p.wall_ms) for p in profiles]),
+        ("wall ms / step, not profiled", [fmt(p.unprofiled_wall_ms) for p in profiles]),
+        ("wall ms / step, profiled", [fmt(p.wall_ms) for p in profiles]),
         ("kernel ms / step", [fmt(p.kernel_ms) for p in profiles]),
         ("idle gap ms / step", [fmt(p.gap_ms) for p in profiles]),
         ("idle gap share", [f"{100 * p.gap_share:.1f}%" for p in profiles]),

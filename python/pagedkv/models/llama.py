@@ -139,6 +139,7 @@ class PagedDecoder:
         w = self.w
         num_tokens = input_ids.shape[0]
         q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
+        workspace = None  # decode attention's split workspace: zeroed once, shared by the layers
         residual = F.embedding(input_ids, w.embed)  # [T, D]
         hidden = ops.rms_norm(residual, w.layers[0].input_norm, w.eps)
         for i, layer in enumerate(w.layers):
@@ -151,7 +152,9 @@ class PagedDecoder:
             ops.rope_and_write_kv(q, k, v, meta.positions, self.cos_sin_cache, self.k_caches[i],
                                   self.v_caches[i], meta.slot_mapping, q_norm_weight=layer.q_norm,
                                   k_norm_weight=layer.k_norm, epsilon=w.eps)
-            attn = self._attention(i, q, k, v, meta)  # [T, Hq, Dh]
+            if workspace is None and meta.query_start_loc is None and meta.prefill_lens is None:
+                workspace = ops.paged_decode_workspace(q, self.k_caches[i], meta.block_tables)
+            attn = self._attention(i, q, k, v, meta, workspace)  # [T, Hq, Dh]
             hidden = ops.linear(attn.view(num_tokens, q_size), layer.o)
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, w.eps)
             act = ops.gate_up_silu(hidden, layer.gate_up)  # [T, I]
@@ -162,7 +165,7 @@ class PagedDecoder:
         return ops.linear(hidden, w.lm_head)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   meta: ForwardMetadata) -> torch.Tensor:
+                   meta: ForwardMetadata, workspace: torch.Tensor | None) -> torch.Tensor:
         if meta.query_start_loc is not None:
             return ops.paged_prefill_attention(q, self.k_caches[layer], self.v_caches[layer],
                                                meta.block_tables, meta.context_lens,
@@ -170,7 +173,8 @@ class PagedDecoder:
                                                meta.max_query_len)
         if meta.prefill_lens is None:
             return ops.paged_decode_attention(q, self.k_caches[layer], self.v_caches[layer],
-                                              meta.block_tables, meta.context_lens, self.w.scale)
+                                              meta.block_tables, meta.context_lens, self.w.scale,
+                                              workspace=workspace)
         # Prefill of fresh prompts: causal attention over the new tokens, which are at hand in
         # q/k/v already (their K/V were also written to the cache for the decode steps).
         out = torch.empty_like(q)
