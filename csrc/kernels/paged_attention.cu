@@ -3,16 +3,18 @@
 //
 // Inside a CTA, 4 warps take turns over the split's tokens. A token row of one kv head
 // (head_dim elements) is read by kLanes lanes with 16-byte loads, so a warp reads
-// 32 / kLanes tokens side by side and kSteps of those per iteration: every lane issues kSteps K
-// and kSteps V loads per iteration. Each lane keeps the scaled query slice of every
-// head of the group and an fp32 online softmax (max, sum, output slice) for the tokens its lane
-// group saw; at the end the lane groups merge by shuffles, the warps through shared memory.
+// 32 / kLanes tokens side by side and kSteps of those per iteration: every lane has kSteps K
+// and kSteps V loads in flight before it computes. (Double-buffering them, half as many per
+// iteration to stay in registers, measured 3-5% slower at large batch on an H100.) Each lane
+// keeps the scaled query slice of every head of the group and an fp32 online softmax (max, sum,
+// output slice) for the tokens its lane group saw; at the end the lane groups merge by shuffles,
+// the warps through shared memory.
 // Scores are kept in log2 units (the query is pre-scaled by scale * log2(e)), so exp2f suffices.
 //
-// Each lane double-buffers its K/V rows: the next iteration's loads are in flight during this one's
-// math. With num_splits > 1 each CTA of a sequence that spans several splits writes its
-// normalized partial output and (max, sum) to the workspace, and the last CTA of the sequence's
-// head chunk to finish (an atomic counter in the workspace) merges them: one launch in all.
+// With num_splits > 1 each CTA of a sequence that spans several splits writes its normalized
+// partial output and (max, sum) to the workspace, and the last CTA of the sequence's head chunk
+// to finish (an atomic counter in the workspace) merges them: one launch in all, where a second
+// combine kernel cost ~1 us per call at small batch.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -36,9 +38,8 @@ struct Tile {
   static constexpr int kVecsPerLane = D / (kVec * kLanes);          // 16-byte loads per row, lane
   static constexpr int kElems = kVecsPerLane * kVec;                // head_dim elements per lane
   static constexpr int kTokensSideBySide = 32 / kLanes;             // tokens per warp load
-  // Token rows per lane per iteration, K and V each; the loop double-buffers them, so up to
-  // 2 x kSteps x 2 loads of 16 bytes are in flight per lane.
-  static constexpr int kSteps = std::max(1, 2 / kVecsPerLane);
+  // Loads in flight per lane: 4 K + 4 V rows; halved when the group's registers are large.
+  static constexpr int kSteps = std::max(1, (G >= 8 ? 2 : 4) / kVecsPerLane);
   static constexpr int kTokensPerIter = kTokensSideBySide * kSteps;  // per warp
   static_assert(D % (kVec * kLanes) == 0, "head_dim must be a multiple of 16 bytes x lanes");
 };
@@ -175,21 +176,25 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   const int slot_mask = (1 << plan.block_shift) - 1;
   constexpr int kWarpStride = kWarps * Tl::kTokensPerIter;
 
-  // Physical blocks of a lane's tokens, fetched one iteration ahead of their K/V loads. A lane
-  // past the end reads the last token again instead (no branch around its loads; its score is
-  // masked): table entries past the context are never read.
-  auto fetch_blocks = [&](int (&phys)[kSteps], int base) {
+  // Physical blocks of this lane's tokens, fetched one iteration ahead. A lane past the end reads
+  // the last token again instead (no branch around its loads; its score is masked): table
+  // entries past the context are never read.
+  int phys[kSteps];
+  auto fetch_blocks = [&](int base) {
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
       const int t = min(base + u * kSide + side, end - 1);
       phys[u] = __ldg(table + (t >> plan.block_shift));
     }
   };
-  auto load_rows = [&](uint4 (&kr)[kSteps][kNv], uint4 (&vr)[kSteps][kNv],
-                       const int (&phys)[kSteps], int base) {
+  int t0 = begin + warp * Tl::kTokensPerIter;
+  fetch_blocks(t0);
+
+  for (; t0 < end; t0 += kWarpStride) {  // t0 is warp-uniform: shuffles below see all lanes
+    uint4 kr[kSteps][kNv], vr[kSteps][kNv];
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
-      const int t = min(base + u * kSide + side, end - 1);
+      const int t = min(t0 + u * kSide + side, end - 1);
       const int64_t row = phys[u] * block_stride + (t & slot_mask) * token_stride + lane_offset;
 #pragma unroll
       for (int n = 0; n < kNv; ++n) {
@@ -197,11 +202,8 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
         vr[u][n] = load16(v_cache + row + n * kLanes * kVec);
       }
     }
-  };
+    fetch_blocks(t0 + kWarpStride);
 
-  // One iteration: this warp's kTokensPerIter tokens from `base` (warp-uniform, so the shuffles
-  // below see all lanes), folded into the running softmax.
-  auto consume = [&](const uint4 (&kr)[kSteps][kNv], const uint4 (&vr)[kSteps][kNv], int base) {
     // Scores: partial dot products over this lane's slice, summed over the kLanes lanes of the
     // token (xor offsets below kLanes stay inside the lane group).
     float s[kSteps][G];
@@ -232,7 +234,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
     // Online softmax: new running max, rescale what was accumulated, add this iteration.
     bool valid[kSteps];
 #pragma unroll
-    for (int u = 0; u < kSteps; ++u) valid[u] = base + u * kSide + side < end;
+    for (int u = 0; u < kSteps; ++u) valid[u] = t0 + u * kSide + side < end;
 #pragma unroll
     for (int h = 0; h < G; ++h) {
       float new_max = m[h];
@@ -262,26 +264,6 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
         for (int e = 0; e < kE; ++e) acc[h][e] = fmaf(s[u][h], vf[e], acc[h][e]);
       }
     }
-  };
-
-  // Double-buffered main loop: the K/V rows of the next iteration are in flight while this one
-  // is computed, so a lane always has loads outstanding (a single buffer left the memory system
-  // idle during each iteration's math: ~10% of bandwidth at large batch).
-  int phys_a[kSteps], phys_b[kSteps];
-  uint4 k_a[kSteps][kNv], v_a[kSteps][kNv], k_b[kSteps][kNv], v_b[kSteps][kNv];
-  int t0 = begin + warp * Tl::kTokensPerIter;
-  fetch_blocks(phys_a, t0);
-  fetch_blocks(phys_b, t0 + kWarpStride);
-  load_rows(k_a, v_a, phys_a, t0);
-  for (; t0 < end; t0 += 2 * kWarpStride) {
-    const int t1 = t0 + kWarpStride;
-    if (t1 < end) load_rows(k_b, v_b, phys_b, t1);
-    fetch_blocks(phys_a, t1 + kWarpStride);
-    consume(k_a, v_a, t0);
-    if (t1 >= end) break;
-    if (t1 + kWarpStride < end) load_rows(k_a, v_a, phys_a, t1 + kWarpStride);
-    fetch_blocks(phys_b, t1 + 2 * kWarpStride);
-    consume(k_b, v_b, t1);
   }
 
   // Merge the side-by-side lane groups of the warp (they hold the same head_dim slices).
@@ -330,7 +312,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   const int64_t row0 = (static_cast<int64_t>(b) * a.num_q_heads + head0) * a.num_splits;
   // Workspace: merge counters [batch, num_q_heads] (int32, padded to 16 bytes), partial outputs
   // [batch, num_q_heads, num_splits, D] (normalized), then (max, sum) [batch, num_q_heads,
-  // num_splits]. Counters first: a workspace sized for a larger batch serves a smaller one.
+  // num_splits]. Counters first, so a call of a smaller batch finds its counters zero too.
   int* counters = reinterpret_cast<int*>(a.workspace);
   float* partials = a.workspace + plan.counter_floats;
   float2* stats = reinterpret_cast<float2*>(
