@@ -4,10 +4,8 @@
 // 16 contiguous bytes of its two weight rows and the fragments are filled in load order; x's B
 // fragment uses the same k permutation, which makes it 16 contiguous bytes of one x row too.
 // A CTA owns 16 weight rows (16 gate + 16 up rows for silu); its kSplit warps share k
-// round-robin in chunks of kUnroll adjacent 32-wide slices (a warp reads 256 contiguous bytes of
-// each of its rows per step, the CTA 1 KB) and reduce through shared memory at the end. Small
-// matrices (qkv, o, down: 224-288 tiles) get 8 warps per tile, twice the loads in flight per
-// SM, the rest 4. x is read once per 16x32 weight tile, from L1.
+// round-robin in 32-wide slices (so qkv/o, 224-288 tiles, still get ~900-1150 warps) and reduce
+// through shared memory at the end. x is read once per 16x32 weight tile, from L1.
 #include <cstdint>
 #include <type_traits>
 
@@ -18,7 +16,8 @@
 namespace pagedkv::kernels {
 namespace {
 
-constexpr int kUnroll = 4;  // adjacent 32-wide k-slices loaded per warp before the first mma
+constexpr int kSplit = 4;   // warps per CTA sharing one 16-row tile's k range
+constexpr int kUnroll = 4;  // 32-wide k-slices loaded per warp before the first mma
 constexpr int kSlice = 32;  // k per slice: 4 lanes x 8 elements per weight row
 
 __device__ __forceinline__ uint4 load_streaming(const void* p) {  // see gemv.cu
@@ -65,7 +64,7 @@ __device__ __forceinline__ void mma_slice(float (&c)[4], const uint4& lo, const 
 // up rows; out [m, n] = silu(x @ gate^T) * (x @ up^T), each product rounded to T first (HF).
 // x [m, k] has row stride x_stride; k % 8 == 0. Rows of the tile past n are clamped (read, not
 // stored); x rows past m and k past the end are zeros.
-template <typename T, int kAcc, int kSplit>
+template <typename T, int kAcc>
 __global__ void __launch_bounds__(kSplit * 32)
     gemv_mma_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                     const T* __restrict__ weight, const T* __restrict__ bias, int m, int n, int k) {
@@ -100,17 +99,16 @@ __global__ void __launch_bounds__(kSplit * 32)
     for (int i = 0; i < 4; ++i) c[a][i] = 0.f;
 
   const int full = k / kSlice;  // whole slices; a partial one (8, 16 or 24 k) may follow
-  const int chunks = full / kUnroll;  // groups of kUnroll adjacent whole slices
-  int chunk = warp;
-  // Main loop, software-pipelined by hand: the loads of the next chunk are issued before the
-  // mmas of the current one (ptxas otherwise sinks each load next to its mma). The last
-  // prefetch re-reads the current chunk (an L2 hit) instead of branching.
-  if (chunk < chunks) {
+  int sl = warp;
+  // Main loop, software-pipelined by hand: the loads of the next kUnroll slices are issued before
+  // the mmas of the current ones (ptxas otherwise sinks each load next to its mma). The last
+  // prefetch re-reads the current slices (an L2 hit) instead of branching.
+  if (sl + (kUnroll - 1) * kSplit < full) {
     uint4 lo[kUnroll][kAcc], hi[kUnroll][kAcc], xv[kUnroll];
-    auto load = [&](int ch) {
+    auto load = [&](int first) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int s = (ch * kUnroll + u) * kSlice;
+        const int s = (first + u * kSplit) * kSlice;
 #pragma unroll
         for (int a = 0; a < kAcc; ++a) {
           lo[u][a] = load_streaming(w_lo[a] + s);
@@ -119,7 +117,7 @@ __global__ void __launch_bounds__(kSplit * 32)
         xv[u] = load_x(s);
       }
     };
-    load(chunk);
+    load(sl);
     for (;;) {
       uint4 lo_c[kUnroll][kAcc], hi_c[kUnroll][kAcc], xv_c[kUnroll];
 #pragma unroll
@@ -131,19 +129,18 @@ __global__ void __launch_bounds__(kSplit * 32)
           hi_c[u][a] = hi[u][a];
         }
       }
-      const int next = chunk + kSplit;
-      const bool more = next < chunks;
-      load(more ? next : chunk);
+      const int next = sl + kUnroll * kSplit;
+      const bool more = next + (kUnroll - 1) * kSplit < full;
+      load(more ? next : sl);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int a = 0; a < kAcc; ++a) mma_slice<T>(c[a], lo_c[u][a], hi_c[u][a], xv_c[u]);
-      chunk = next;
+      sl = next;
       if (!more) break;
     }
   }
-  // Leftover slices (fewer than kUnroll per warp), the last maybe partial.
-  for (int sl = chunks * kUnroll + warp; sl * kSlice < k; sl += kSplit) {
+  for (; sl * kSlice < k; sl += kSplit) {  // leftover slices, the last maybe partial
     const int s = sl * kSlice;
     const bool in = s + 8 * t < k;  // k % 8 == 0: a lane's 8 elements are all in or all out
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -207,16 +204,11 @@ cudaError_t gemv_mma(void* out, const void* x, int64_t x_stride, const void* wei
       auto* xs = static_cast<const T*>(x);
       auto* w = static_cast<const T*>(weight);
       auto* b = static_cast<const T*>(bias);
-      const int tiles = (n + 15) / 16;
-      // Few tiles (qkv, o, down of a 7B layer: 224-288) leave SMs short of loads in flight with
-      // 4 warps each; 8 warps per tile still fit one wave (104 registers a thread).
-      const bool small = tiles < 512;
+      const int blocks = (n + 15) / 16;
       if (silu_mul) {
-        gemv_mma_kernel<T, 2, 4><<<tiles, 4 * 32, 0, stream>>>(o, xs, x_stride, w, nullptr, m, n, k);
-      } else if (small) {
-        gemv_mma_kernel<T, 1, 8><<<tiles, 8 * 32, 0, stream>>>(o, xs, x_stride, w, b, m, n, k);
+        gemv_mma_kernel<T, 2><<<blocks, kSplit * 32, 0, stream>>>(o, xs, x_stride, w, nullptr, m, n, k);
       } else {
-        gemv_mma_kernel<T, 1, 4><<<tiles, 4 * 32, 0, stream>>>(o, xs, x_stride, w, b, m, n, k);
+        gemv_mma_kernel<T, 1><<<blocks, kSplit * 32, 0, stream>>>(o, xs, x_stride, w, b, m, n, k);
       }
       return cudaGetLastError();
     }
