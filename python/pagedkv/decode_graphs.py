@@ -9,6 +9,7 @@ one device buffer that build_metadata rewrites). The graph runs the forward only
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from pagedkv.models.llama import ForwardMetadata, PagedDecoder
 from pagedkv.step_metadata import StepMetadata
@@ -31,7 +32,8 @@ class DecodeGraphs:
             entry = self._graphs[bucket] = self._capture(meta)
         graph, ids, logits = entry
         ids.copy_(token_ids, non_blocking=True)
-        graph.replay()
+        with record_function("decode_step"):  # the label captured inside the graph is not replayed
+            graph.replay()
         return logits
 
     def _capture(self, meta: StepMetadata):

@@ -184,7 +184,12 @@ class ModelRunner:
                 self._step(state, sampler)
             self._graphs[key] = (graph, state, sampler)
         graph, state, sampler = self._graphs[key]
-        return graph.replay, state, sampler
+
+        def replay() -> None:
+            with record_function("decode_step"):  # the captured label is not replayed
+                graph.replay()
+
+        return replay, state, sampler
 
     def _run(self, prompts, input_ids, settings: GenerationSettings, streamer, tables, graphs: bool):
         batch, max_new = len(prompts), settings.max_new_tokens
