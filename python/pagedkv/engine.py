@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import random
 import time
 from typing import Iterable, Iterator, Sequence as Seq
@@ -63,6 +64,25 @@ def _load(model, tokenizer, dtype):
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     return model.eval(), tokenizer
+
+
+def _tensor_prompt(prompt: torch.Tensor) -> list[int]:
+    """The token ids of a prompt given as an integer tensor [n] or [1, n], on any device."""
+    if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+        raise TypeError(f"pagedkv.LLM: a prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
+    if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+        raise ValueError(f"pagedkv.LLM: a prompt tensor must be [n] or [1, n], got shape "
+                         f"{tuple(prompt.shape)}; pass a batch as a list of prompts")
+    if prompt.is_meta:
+        raise ValueError("pagedkv.LLM: a prompt tensor is on the meta device (it holds no token ids)")
+    return prompt.flatten().tolist()
+
+
+def _first_non_int(prompt) -> object:
+    try:
+        return next((t for t in prompt if not hasattr(t, "__index__")), prompt)
+    except TypeError:  # not iterable
+        return prompt
 
 
 class LLM:
@@ -177,12 +197,12 @@ class LLM:
             text = prompt
         else:
             if isinstance(prompt, torch.Tensor):
-                prompt = prompt.flatten().tolist()
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError("pagedkv.LLM: a prompt is a string or a list of token ids, got "
-                                 f"{type(prompt).__name__}") from None
+                prompt = _tensor_prompt(prompt)
+            try:  # operator.index takes ints (Python, numpy, 0-d tensors), never floats
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise TypeError("pagedkv.LLM: a prompt is a string or a list of int token ids, got "
+                                f"{type(prompt).__name__} {_first_non_int(prompt)!r}") from None
             text = None
         if not ids:
             raise ValueError("pagedkv.LLM: the prompt is empty; it needs at least one token")
@@ -387,6 +407,9 @@ class LLM:
         ids = set(self._add_all(prompts, sampling_params))
         try:
             while ids:
+                ids &= self._requests.keys()  # abort_request() during the loop: yields no more
+                if not ids:
+                    break
                 with torch.inference_mode():
                     outputs = self._step(partial=True)
                 for out in outputs:
