@@ -253,14 +253,14 @@ class ModelRunner:
             ready.append(event)
 
         fetch(0, first)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
         eos = torch.tensor(settings.eos_token_ids, dtype=torch.int64)
         pad = settings.pad_token_id
         finished = torch.zeros(batch, dtype=torch.bool)
         produced: list[torch.Tensor] = []
         launched = 1
-        try:
+        try:  # the streamer gets end() however the loop ends, so that its reader is released
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
             while len(produced) < launched:
                 if launched < max_new:  # keep one step queued while the host reads the last
                     replay()
