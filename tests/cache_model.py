@@ -117,6 +117,7 @@ class CacheModel:
         return copies, needed
 
     def reserve(self, seq_id: int, n: int) -> list[tuple[int, int]]:
+        self.seqs[seq_id]  # an unknown id is a KeyError before a bad count, as in C++
         if n < 0:
             raise ValueError("negative count")
         return self.append([seq_id], [[None] * n])
