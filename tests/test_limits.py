@@ -149,7 +149,8 @@ def test_wrong_inputs_llm():
     llm = new_llm()
     cases = [
         (TypeError, r"a prompt tensor must hold integer token ids, got dtype torch.float32", torch.tensor([3.0, 4.0])),
-        (TypeError, r"a prompt is a string or a list of int token ids, got list 3.5", [3, 3.5]),
+        (TypeError, r"token ids must be ints, got 3.5 \(float\)", [3, 3.5]),
+        (TypeError, r"a prompt is a string or a list of token ids, got NoneType", None),
         (ValueError, r"a prompt tensor must be \[n\] or \[1, n\], got shape \(2, 2\); pass a batch as a list",
          torch.tensor([[3, 4], [5, 6]])),
         (ValueError, r"prompt token ids \[300, -1\] are outside \[0, 255\]", [3, 300, -1]),

@@ -66,23 +66,30 @@ def _load(model, tokenizer, dtype):
     return model.eval(), tokenizer
 
 
-def _tensor_prompt(prompt: torch.Tensor) -> list[int]:
-    """The token ids of a prompt given as an integer tensor [n] or [1, n], on any device."""
-    if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-        raise TypeError(f"pagedkv.LLM: a prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
-    if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
-        raise ValueError(f"pagedkv.LLM: a prompt tensor must be [n] or [1, n], got shape "
-                         f"{tuple(prompt.shape)}; pass a batch as a list of prompts")
-    if prompt.is_meta:
-        raise ValueError("pagedkv.LLM: a prompt tensor is on the meta device (it holds no token ids)")
-    return prompt.flatten().tolist()
-
-
-def _first_non_int(prompt) -> object:
+def _token_ids(prompt) -> list[int]:
+    """The ids of a prompt given as ids: ints (Python, numpy, 0-d tensors; never floats), or an
+    integer tensor [n] or [1, n] on any device that holds data."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise TypeError(f"pagedkv.LLM: a prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise ValueError(f"pagedkv.LLM: a prompt tensor must be [n] or [1, n], got shape "
+                             f"{tuple(prompt.shape)}; pass a batch as a list of prompts")
+        if prompt.is_meta:
+            raise ValueError("pagedkv.LLM: a prompt tensor is on the meta device (it holds no token ids)")
+        return prompt.flatten().tolist()
     try:
-        return next((t for t in prompt if not hasattr(t, "__index__")), prompt)
-    except TypeError:  # not iterable
-        return prompt
+        items = list(prompt)
+    except TypeError:
+        raise TypeError("pagedkv.LLM: a prompt is a string or a list of token ids, got "
+                        f"{type(prompt).__name__}") from None
+    ids = []
+    for t in items:
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"pagedkv.LLM: token ids must be ints, got {t!r} ({type(t).__name__})") from None
+    return ids
 
 
 class LLM:
@@ -196,13 +203,7 @@ class LLM:
             ids = list(self.tokenizer.encode(prompt))
             text = prompt
         else:
-            if isinstance(prompt, torch.Tensor):
-                prompt = _tensor_prompt(prompt)
-            try:  # operator.index takes ints (Python, numpy, 0-d tensors), never floats
-                ids = [operator.index(t) for t in prompt]
-            except TypeError:
-                raise TypeError("pagedkv.LLM: a prompt is a string or a list of int token ids, got "
-                                f"{type(prompt).__name__} {_first_non_int(prompt)!r}") from None
+            ids = _token_ids(prompt)
             text = None
         if not ids:
             raise ValueError("pagedkv.LLM: the prompt is empty; it needs at least one token")
