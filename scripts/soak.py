@@ -2,7 +2,10 @@
 (so that preemption is forced all the time), with shared prompt openings (prefix hits), n = 2
 samples (forks), stop tokens and aborts mixed in. Every finished output is compared with HF's
 greedy generate of the same request (one request at a time: independent of the engine's
-scheduling), and the cache is checked for leaked blocks every few steps and at the end.
+scheduling), and the cache is checked for leaked blocks every few steps and at the end. An output
+that parts from HF's where HF's own fp32 logits tie (top two within 1e-4 relative, the engine's
+token among them) is a near-tie, not a mismatch: batched and single-row matmuls round
+differently, and over 10^5 tokens of a random model a few such ties come up.
 
     .venv/bin/python scripts/soak.py                   # 10,000 requests (a few minutes)
     .venv/bin/python scripts/soak.py --requests 300    # what tests/test_soak.py runs in CI
@@ -38,6 +41,7 @@ class SoakResult:
     steps: int = 0
     leaks: int = 0  # failed leak checks
     mismatches: int = 0
+    near_ties: int = 0  # outputs that part from HF's at a tie of HF's logits
     seconds: float = 0.0
 
     @property
@@ -46,7 +50,8 @@ class SoakResult:
 
     def summary(self) -> str:
         return (f"requests={self.requests} tokens={self.tokens} preemptions={self.preemptions} "
-                f"leaks={self.leaks} mismatches={self.mismatches} aborted={self.aborted} "
+                f"leaks={self.leaks} mismatches={self.mismatches} near_ties={self.near_ties} "
+                f"aborted={self.aborted} "
                 f"cached_prompt_tokens={self.cached_prompt_tokens} steps={self.steps} "
                 f"time={self.seconds:.0f}s")
 
@@ -83,6 +88,18 @@ class Reference:
         full = self.tokens[key][:params.max_tokens]
         stops = [i for i, t in enumerate(full) if t in params.stop_token_ids]
         return full[:stops[0] + 1] if stops else full
+
+    def near_tie(self, prompt: list[int], got: list[int], want: list[int], rel: float = 1e-4) -> bool:
+        """Whether `got` first parts from `want` where HF's logits rank its token level with HF's."""
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if k is None:
+            return False  # same tokens, different lengths: a real mismatch
+        out = self.model.generate(torch.tensor([prompt]), max_new_tokens=k + 1, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0, output_logits=True,
+                                  return_dict_in_generate=True)
+        logits = out.logits[k][0].float()
+        best = logits.max()
+        return bool(best - logits[got[k]] <= rel * max(1.0, best.abs().item()))
 
 
 def leak_problems(llm: LLM) -> list[str]:
@@ -145,10 +162,13 @@ def run(args) -> SoakResult:
             result.requests += 1
             for completion in out.outputs:
                 result.tokens += len(completion.token_ids)
-                if completion.token_ids != want:
-                    result.mismatches += 1
-                    print(f"\nmismatch: request {out.request_id} prompt {prompt} {params}: got "
-                          f"{completion.token_ids}, HF {want}", file=sys.stderr)
+                if completion.token_ids == want:
+                    continue
+                tie = reference.near_tie(prompt, completion.token_ids, want)
+                result.near_ties += tie
+                result.mismatches += not tie
+                print(f"\n{'near-tie' if tie else 'mismatch'}: request {out.request_id} prompt {prompt} "
+                      f"{params}: got {completion.token_ids}, HF {want}", file=sys.stderr)
         if pending and rng.random() < args.abort_rate:
             victim = rng.choice(list(pending))
             llm.abort_request(victim)

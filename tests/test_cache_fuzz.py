@@ -1,5 +1,6 @@
 """Fuzzing the C++ cache manager: thousands of seeded random operation sequences (add, prefix
-hits on live and freed prompts, append, reserve, append_batch, fork, free, blocks_needed_*, step
+hits on live and freed prompts, append, reserve, append_batch, fork, free (keeping its blocks in
+the prefix cache or not), blocks_needed_*, step
 metadata, and bad calls: unknown, duplicate and reused ids, too long, negative counts), each
 compared after every operation with the Python model (cache_model.py) and checked for
 consistency; a refused or CacheFull call must change nothing (the model does not change, and
@@ -100,8 +101,9 @@ def fuzz_run(seed: int, steps: int = STEPS) -> dict[str, int]:
             child = seq_id if rng.random() < 0.1 else next_id  # sometimes into an id in use
             next_id += 1
             expect_same_outcome(lambda: model.fork(seq_id, child), lambda: real.fork(seq_id, child), note)
-        elif op < 0.92:
-            expect_same_outcome(lambda: model.free(seq_id), lambda: real.free(seq_id), note)
+        elif op < 0.92:  # keep_cached=False: as after a failed step
+            keep = rng.random() < 0.8
+            expect_same_outcome(lambda: model.free(seq_id, keep), lambda: real.free(seq_id, keep), note)
         elif model.seqs:
             ids = rng.sample(sorted(model.seqs), rng.randint(1, min(6, len(model.seqs))))
             lens = [rng.randint(1, len(model.seqs[s].tokens)) for s in ids]

@@ -115,10 +115,11 @@ class CacheMachine(RuleBasedStateMachine):
         expect_same_outcome(lambda: self.model.fork(parent, child), lambda: self.real.fork(parent, child))
 
     @precondition(lambda self: self.model.seqs)
-    @rule(data=st.data())
-    def free(self, data):
+    @rule(data=st.data(), keep_cached=st.booleans())
+    def free(self, data, keep_cached):
         seq_id = data.draw(st.sampled_from(self.live_ids()))
-        expect_same_outcome(lambda: self.model.free(seq_id), lambda: self.real.free(seq_id))
+        expect_same_outcome(lambda: self.model.free(seq_id, keep_cached),
+                            lambda: self.real.free(seq_id, keep_cached))
 
     @rule(seq_id=st.integers(-3, -1))
     def unknown_ids_are_refused(self, seq_id):

@@ -181,3 +181,31 @@ def test_step_fault_inside_generate_llm(monkeypatch):
         llm.generate([prompt(9, seed=40), prompt(30, seed=41)], GREEDY, use_tqdm=False)
     monkeypatch.undo()
     assert_llm_works(llm)
+
+
+def test_step_fault_then_more_steps_llm(monkeypatch):
+    """A step that fails after its slots were reserved (here the forward raises) must not leave
+    them reserved: the caller may go on stepping, and every request still gets HF's tokens."""
+    llm = new_llm(max_num_batched_tokens=16)  # chunked prefills and decodes in the failing steps
+    prompts = [prompt(n, seed=50 + n) for n in (9, 30, 3)]
+    ids = [llm.add_request(p, GREEDY) for p in prompts]
+    original, calls = llm._run, []
+
+    def faulty(sched):
+        calls.append(1)
+        if len(calls) in (2, 5):
+            raise RuntimeError("device fault")
+        return original(sched)
+
+    monkeypatch.setattr(llm, "_run", faulty)
+    finished, faults = {}, 0
+    while llm.has_unfinished_requests():
+        try:
+            finished.update({o.request_id: o for o in llm.step() if o.finished})
+        except RuntimeError as error:
+            assert str(error) == "device fault"
+            faults += 1
+    assert faults == 2
+    assert [finished[i].token_ids for i in ids] == [hf_greedy(p) for p in prompts]
+    monkeypatch.undo()
+    assert_llm_works(llm)

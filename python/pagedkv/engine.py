@@ -244,7 +244,13 @@ class LLM:
         self.stats.num_cached_prompt_tokens += sched.num_cached_tokens
         self.stats.num_prompt_tokens_computed += sum(
             r.num_new for r in sched.rows[sched.num_decodes:])
-        sampled = self._run(sched)
+        try:
+            sampled = self._run(sched)
+        except BaseException:
+            # Slots were reserved for work that did not happen: compute these requests again.
+            touched = {id(r.seq.request) for r in sched.rows}
+            self.scheduler.recompute([s for s in self.scheduler.running if id(s.request) in touched])
+            raise
         now = time.perf_counter()
         touched: dict[str, Request] = {}
         for seq, token in sampled:

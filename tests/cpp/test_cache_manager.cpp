@@ -131,6 +131,17 @@ void test_add_append_fork_free() {
   for (const int64_t id : {1, 2, 3}) m.free_sequence(id);
   CHECK(m.num_sequences() == 0 && m.allocator().num_free() == 8);
   check_invariants(m);
+  // keep_cached=false (after a failed step): the freed full blocks are no longer prefix hits.
+  const int32_t evictable = m.allocator().num_evictable();
+  CHECK(m.add_sequence(4, tokens_of(9, 50)) == 0);
+  m.free_sequence(4, false);
+  CHECK(m.allocator().num_evictable() == evictable);
+  CHECK(m.add_sequence(5, tokens_of(9, 50)) == 0);
+  m.free_sequence(5);
+  CHECK(m.allocator().num_evictable() == evictable + 2);
+  CHECK(m.add_sequence(6, tokens_of(9, 50)) == 8);
+  m.free_sequence(6);
+  check_invariants(m);
 }
 
 void test_errors_change_nothing() {
@@ -225,7 +236,7 @@ void random_run(uint32_t seed, int num_ops) {
           break;
         }
         case 5: m.fork(some, pick(0, 9) == 0 ? some : next_id++); break;
-        case 6: m.free_sequence(some); break;
+        case 6: m.free_sequence(some, pick(0, 3) != 0); break;
         default: {
           std::vector<int32_t> lens;
           for (const int64_t id : ids) {
