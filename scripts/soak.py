@@ -33,7 +33,8 @@ VOCAB = 512
 
 @dataclasses.dataclass(slots=True)
 class SoakResult:
-    requests: int = 0  # finished and compared
+    requests: int = 0  # submitted
+    finished: int = 0  # finished and compared with HF
     aborted: int = 0
     tokens: int = 0  # output tokens compared
     preemptions: int = 0
@@ -51,7 +52,7 @@ class SoakResult:
     def summary(self) -> str:
         return (f"requests={self.requests} tokens={self.tokens} preemptions={self.preemptions} "
                 f"leaks={self.leaks} mismatches={self.mismatches} near_ties={self.near_ties} "
-                f"aborted={self.aborted} "
+                f"finished={self.finished} aborted={self.aborted} "
                 f"cached_prompt_tokens={self.cached_prompt_tokens} steps={self.steps} "
                 f"time={self.seconds:.0f}s")
 
@@ -142,24 +143,23 @@ def run(args) -> SoakResult:
     openings = [[rng.randrange(3, VOCAB) for _ in range(rng.choice([16, 32]))] for _ in range(6)]
     result = SoakResult()
     pending: dict[str, tuple[list[int], SamplingParams]] = {}
-    submitted = 0
     bar = None
     if not args.no_tqdm:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=args.requests, desc="soak", unit="req", dynamic_ncols=True)
     start = time.perf_counter()
-    while submitted < args.requests or llm.has_unfinished_requests():
-        while submitted < args.requests and len(pending) < args.inflight:
+    while result.requests < args.requests or llm.has_unfinished_requests():
+        while result.requests < args.requests and len(pending) < args.inflight:
             prompt, params = random_request(rng, openings, args)
             pending[llm.add_request(prompt, params)] = (prompt, params)
-            submitted += 1
+            result.requests += 1
         outputs = llm.step(partial=False)
         result.steps += 1
         for out in outputs:
             prompt, params = pending.pop(out.request_id)
             want = reference.expected(prompt, params)
-            result.requests += 1
+            result.finished += 1
             for completion in out.outputs:
                 result.tokens += len(completion.token_ids)
                 if completion.token_ids == want:
@@ -179,7 +179,7 @@ def run(args) -> SoakResult:
             result.leaks += bool(problems)
             for p in problems:
                 print(f"\nleak check at step {result.steps}: {p}", file=sys.stderr)
-        done = result.requests + result.aborted
+        done = result.finished + result.aborted
         if bar is not None and done > bar.n:
             bar.set_postfix_str(f"preemptions {llm.stats.num_preemptions}", refresh=False)
             bar.update(done - bar.n)  # tqdm redraws at most every mininterval
