@@ -212,6 +212,7 @@ def test_no_new_tokens_llm(n):
     (dict(do_sample=False, top_p=1.5), r"top_p=1.5; it must be in \(0, 1\]"),
     (dict(do_sample=True, top_k=-2), r"top_k=-2; it must be >= 0"),
     (dict(repetition_penalty=0.0), r"repetition_penalty=0.0; it must be > 0"),
+    (dict(repetition_penalty=float("nan")), r"repetition_penalty=nan; it must be > 0"),
 ])
 def test_invalid_sampling_generate(gen, kwargs, match):
     with pytest.raises(ValueError, match=match):

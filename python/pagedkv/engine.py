@@ -248,8 +248,8 @@ class LLM:
             sampled = self._run(sched)
         except BaseException:
             # Slots were reserved for work that did not happen: compute these requests again.
-            touched = {id(r.seq.request) for r in sched.rows}
-            self.scheduler.recompute([s for s in self.scheduler.running if id(s.request) in touched])
+            failed = {id(r.seq.request) for r in sched.rows}
+            self.scheduler.recompute([s for s in self.scheduler.running if id(s.request) in failed])
             raise
         now = time.perf_counter()
         touched: dict[str, Request] = {}

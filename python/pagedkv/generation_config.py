@@ -115,7 +115,7 @@ def resolve_generation(
         raise ValueError(f"pagedkv.generate: top_p={top_p}; it must be in (0, 1] (1 turns it off)")
     if top_k < 0:
         raise ValueError(f"pagedkv.generate: top_k={top_k}; it must be >= 0 (0 turns it off)")
-    if penalty <= 0:
+    if not penalty > 0:
         raise ValueError(f"pagedkv.generate: repetition_penalty={penalty}; it must be > 0")
     return GenerationSettings(
         max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_ids, pad_token_id=pad,
