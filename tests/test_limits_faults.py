@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import pagedkv
-from pagedkv import LLM, SamplingParams
+from pagedkv import SamplingParams
 from pagedkv.models.llama import PagedDecoder
-from limits import (GREEDY, MAX_NEW, assert_cache_clean, assert_generate_works, assert_llm_works, gen,
+from limits import (GREEDY, MAX_NEW, assert_generate_works, assert_llm_works, gen,
                     hf_greedy, model, new_llm, prompt)
 
 
