@@ -129,7 +129,7 @@ void register_cache_bindings(py::module_& m) {
            },
            py::arg("seq_ids"), py::arg("token_ids"))
       .def("fork", &CacheManager::fork, py::arg("parent_id"), py::arg("child_id"))
-      .def("free", &CacheManager::free_sequence, py::arg("seq_id"))
+      .def("free", &CacheManager::free_sequence, py::arg("seq_id"), py::arg("keep_cached") = true)
       .def("blocks_needed_to_add",
            [](const CacheManager& self, py::handle tokens) {
              return self.blocks_needed_to_add(read_ints<int32_t>(tokens, "token_ids"));

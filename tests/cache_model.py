@@ -117,6 +117,7 @@ class CacheModel:
         return copies, needed
 
     def reserve(self, seq_id: int, n: int) -> list[tuple[int, int]]:
+        self.seqs[seq_id]  # an unknown id is a KeyError before a bad count, as in C++
         if n < 0:
             raise ValueError("negative count")
         return self.append([seq_id], [[None] * n])
@@ -150,7 +151,9 @@ class CacheModel:
             self.add_ref(block)
         self.seqs[child_id] = ModelSequence(list(parent.tokens), list(parent.blocks), parent.keyable)
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, keep_cached: bool = True) -> None:
         seq = self.seqs.pop(seq_id)
         for block in reversed(seq.blocks):
+            if not keep_cached and self.ref[block] == 1 and block in self.key_of:
+                del self.block_of[self.key_of.pop(block)]
             self.release(block)

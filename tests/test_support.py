@@ -10,8 +10,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from pagedkv.support import attention_window, supports, unsupported_reason
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2)
+SMALL = dict(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=2, num_key_value_heads=1)  # head_dim 64
 
 
 @pytest.mark.parametrize("config_cls, model_cls", [

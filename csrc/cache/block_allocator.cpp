@@ -45,8 +45,9 @@ void BlockAllocator::add_ref(int32_t block) {
   if (ref_[block]++ == 0) lru_remove(block);  // only keyed blocks are kept with no owner
 }
 
-void BlockAllocator::release(int32_t block) {
+void BlockAllocator::release(int32_t block, bool keep_cached) {
   if (--ref_[block] > 0) return;
+  if (!keep_cached) unregister(block);
   if (!keyed_.empty() && keyed_[block]) {
     lru_push_back(block);
   } else {

@@ -28,7 +28,8 @@ class BlockAllocator {
   // One more owner; revives a cached block that had none (takes it off the LRU list).
   void add_ref(int32_t block);
   // One owner fewer; at zero a keyed block goes to the back of the LRU list, others to the free list.
-  void release(int32_t block);
+  // keep_cached=false: at zero the block leaves the prefix cache too (its K/V may be unwritten).
+  void release(int32_t block, bool keep_cached = true);
 
   // The cached block holding exactly these tokens after exactly this parent, or -1.
   int32_t find_cached(uint64_t key, uint64_t parent_key, const int32_t* tokens) const;

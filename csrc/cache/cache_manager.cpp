@@ -270,12 +270,12 @@ void CacheManager::fork(int64_t parent_id, int64_t child_id) {
   sequences_.emplace(child_id, std::move(child));
 }
 
-void CacheManager::free_sequence(int64_t seq_id) {
+void CacheManager::free_sequence(int64_t seq_id, bool keep_cached) {
   const auto it = sequences_.find(seq_id);
   if (it == sequences_.end()) throw UnknownSequence(seq_id);
   // Last block first: the LRU then evicts a freed prompt from its end, keeping the shared start.
   const std::vector<int32_t>& blocks = it->second.blocks;
-  for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) allocator_.release(*b);
+  for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) allocator_.release(*b, keep_cached);
   sequences_.erase(it);
 }
 

@@ -34,8 +34,9 @@ class CacheManager {
                     std::vector<BlockCopy>& copies);
   // A new sequence sharing all of the parent's blocks (and tokens) by reference count.
   void fork(int64_t parent_id, int64_t child_id);
-  // Drops the sequence; its blocks go back (cached full blocks stay findable until evicted).
-  void free_sequence(int64_t seq_id);
+  // Drops the sequence; its blocks go back (cached full blocks stay findable until evicted, unless
+  // keep_cached is false: after a failed step, whose reserved blocks may hold unwritten K/V).
+  void free_sequence(int64_t seq_id, bool keep_cached = true);
 
   // What add_sequence / append_* would take from the free blocks (a scheduler asks first).
   int32_t blocks_needed_to_add(std::span<const int32_t> tokens) const;

@@ -7,7 +7,7 @@ from pagedkv.cache_spec import KVCacheSpec
 from pagedkv.step_metadata import StepMetadata
 from pagedkv.generation_config import UnsupportedGenerationArgument
 from pagedkv.support import UnsupportedModel, supports, unsupported_reason
-from pagedkv.generate import generate, patch, unpatch
+from pagedkv.generate import generate, kv_cache_of, patch, unpatch
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.engine import LLM, EngineStats
@@ -20,7 +20,7 @@ build_info: str = _C.build_info
 with_cuda: bool = _C.with_cuda
 """True when the CUDA kernels were compiled in."""
 
-__all__ = ["generate", "patch", "unpatch", "LLM", "SamplingParams", "RequestOutput",
+__all__ = ["generate", "patch", "unpatch", "kv_cache_of", "LLM", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestMetrics", "EngineStats", "supports", "unsupported_reason", "UnsupportedModel",
            "UnsupportedGenerationArgument", "ops", "KVCache", "KVCacheSpec", "CacheFull",
            "StepMetadata", "build_info", "with_cuda", "__version__"]

@@ -130,9 +130,11 @@ class KVCache:
         """A new sequence sharing all of the parent's tokens and blocks (copy-on-write)."""
         self.manager.fork(parent_id, child_id)
 
-    def free(self, seq_id: int) -> None:
-        """Give the sequence's blocks back; its full blocks stay in the prefix cache until evicted."""
-        self.manager.free(seq_id)
+    def free(self, seq_id: int, keep_cached: bool = True) -> None:
+        """Give the sequence's blocks back; its full blocks stay in the prefix cache until evicted
+        (keep_cached=False: those no other sequence holds leave it, e.g. after a failed step whose
+        K/V were never written)."""
+        self.manager.free(seq_id, keep_cached)
 
     def seq_len(self, seq_id: int) -> int:
         """Tokens of the sequence holding a slot."""

@@ -95,3 +95,21 @@ def num_blocks_for(
             f"tokens takes {spec.bytes_per_block} bytes for this model"
         )
     return blocks
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Bytes a new cache could take on the device now, or None where it cannot be told. CUDA:
+    free device memory plus what torch's caching allocator holds unused; CPU: the kernel's
+    MemAvailable (Linux)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return None

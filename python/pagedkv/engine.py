@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import random
 import time
 from typing import Iterable, Iterator, Sequence as Seq
@@ -63,6 +64,32 @@ def _load(model, tokenizer, dtype):
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     return model.eval(), tokenizer
+
+
+def _token_ids(prompt) -> list[int]:
+    """The ids of a prompt given as ids: ints (Python, numpy, 0-d tensors; never floats), or an
+    integer tensor [n] or [1, n] on any device that holds data."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise TypeError(f"pagedkv.LLM: a prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise ValueError(f"pagedkv.LLM: a prompt tensor must be [n] or [1, n], got shape "
+                             f"{tuple(prompt.shape)}; pass a batch as a list of prompts")
+        if prompt.is_meta:
+            raise ValueError("pagedkv.LLM: a prompt tensor is on the meta device (it holds no token ids)")
+        return prompt.flatten().tolist()
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise TypeError("pagedkv.LLM: a prompt is a string or a list of token ids, got "
+                        f"{type(prompt).__name__}") from None
+    ids = []
+    for t in items:
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"pagedkv.LLM: token ids must be ints, got {t!r} ({type(t).__name__})") from None
+    return ids
 
 
 class LLM:
@@ -176,13 +203,7 @@ class LLM:
             ids = list(self.tokenizer.encode(prompt))
             text = prompt
         else:
-            if isinstance(prompt, torch.Tensor):
-                prompt = prompt.flatten().tolist()
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError("pagedkv.LLM: a prompt is a string or a list of token ids, got "
-                                 f"{type(prompt).__name__}") from None
+            ids = _token_ids(prompt)
             text = None
         if not ids:
             raise ValueError("pagedkv.LLM: the prompt is empty; it needs at least one token")
@@ -223,7 +244,13 @@ class LLM:
         self.stats.num_cached_prompt_tokens += sched.num_cached_tokens
         self.stats.num_prompt_tokens_computed += sum(
             r.num_new for r in sched.rows[sched.num_decodes:])
-        sampled = self._run(sched)
+        try:
+            sampled = self._run(sched)
+        except BaseException:
+            # Slots were reserved for work that did not happen: compute these requests again.
+            failed = {id(r.seq.request) for r in sched.rows}
+            self.scheduler.recompute([s for s in self.scheduler.running if id(s.request) in failed])
+            raise
         now = time.perf_counter()
         touched: dict[str, Request] = {}
         for seq, token in sampled:
@@ -387,6 +414,9 @@ class LLM:
         ids = set(self._add_all(prompts, sampling_params))
         try:
             while ids:
+                ids &= self._requests.keys()  # abort_request() during the loop: yields no more
+                if not ids:
+                    break
                 with torch.inference_mode():
                     outputs = self._step(partial=True)
                 for out in outputs:

@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from pagedkv.cache import KVCache
 from pagedkv.generation_config import GenerationSettings, resolve_generation
 from pagedkv.runner import runner_for
 from pagedkv.support import attention_window, check_supported
@@ -26,6 +27,12 @@ def _prompts_from_left_padded(input_ids: torch.Tensor, attention_mask: torch.Ten
     """Each row's real tokens. HF's decoder-only generate expects left padding."""
     if attention_mask is None:
         return input_ids.tolist()
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError("pagedkv.generate: attention_mask must be a tensor [batch, prompt_length] "
+                        f"of 0/1, got {type(attention_mask).__name__}")
+    if attention_mask.device != input_ids.device:
+        raise ValueError(f"pagedkv.generate: attention_mask is on {attention_mask.device} but input_ids "
+                         f"is on {input_ids.device}; both must be on the model's device")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"pagedkv.generate: attention_mask has shape {tuple(attention_mask.shape)} "
                          f"but input_ids has {tuple(input_ids.shape)}; they must match")
@@ -87,6 +94,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if settings.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def kv_cache_of(model) -> KVCache | None:
+    """The KV cache generate() runs `model` on (None before its first call). Between calls it
+    holds no sequence and all its blocks are free: ``cache.num_free_blocks == cache.num_blocks``."""
+    runner = getattr(model, "_pagedkv_runner", None)
+    return None if runner is None else runner.cache
 
 
 def patch(model, use_cuda_graphs: bool | None = None):

@@ -106,13 +106,16 @@ def resolve_generation(
     top_k = int(config.top_k or 0)
     top_p = float(config.top_p if config.top_p is not None else 1.0)
     penalty = float(config.repetition_penalty if config.repetition_penalty is not None else 1.0)
-    if do_sample and temperature <= 0:
-        raise ValueError(f"pagedkv.generate: temperature={temperature} with do_sample=True; it must be > 0")
-    if do_sample and not 0 < top_p <= 1:
-        raise ValueError(f"pagedkv.generate: top_p={top_p}; it must be in (0, 1]")
+    # Checked with or without do_sample (HF only warns when greedy ignores them): a bad value is
+    # a mistake either way. `not x > 0` also catches NaN.
+    if not temperature >= 0 or (do_sample and not temperature > 0):
+        raise ValueError(f"pagedkv.generate: temperature={temperature}; it must be > 0 with "
+                         "do_sample=True (>= 0 when greedy, where it is not used)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"pagedkv.generate: top_p={top_p}; it must be in (0, 1] (1 turns it off)")
     if top_k < 0:
         raise ValueError(f"pagedkv.generate: top_k={top_k}; it must be >= 0 (0 turns it off)")
-    if penalty <= 0:
+    if not penalty > 0:
         raise ValueError(f"pagedkv.generate: repetition_penalty={penalty}; it must be > 0")
     return GenerationSettings(
         max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_ids, pad_token_id=pad,

@@ -14,7 +14,8 @@ import torch
 from torch.profiler import record_function
 
 from pagedkv import ops
-from pagedkv.cache import KVCache
+from pagedkv.cache import CacheFull, KVCache
+from pagedkv.cache_spec import KVCacheSpec, free_memory_bytes
 from pagedkv.decode_state import DecodeState
 from pagedkv.generation_config import GenerationSettings
 from pagedkv.logits import apply_repetition_penalty, suppress_eos
@@ -91,8 +92,9 @@ class ModelRunner:
         self._graphs: dict[_SamplerKey, tuple[torch.cuda.CUDAGraph, DecodeState, _Sampler]] = {}
 
     # -- cache -------------------------------------------------------------------------------
-    def _ensure_cache(self, num_blocks: int) -> KVCache:
+    def _ensure_cache(self, num_blocks: int, rows: int, longest: int) -> KVCache:
         if self.cache is None or self.cache.num_blocks < num_blocks:
+            self._check_memory(num_blocks, rows, longest)
             self._graphs.clear()  # graphs hold the old cache's addresses
             self.cache = None
             w = self.weights
@@ -102,6 +104,23 @@ class ModelRunner:
                                  max_seq_len=self.max_positions, enable_prefix_caching=False)
             self.decoder = PagedDecoder(w, self.cos_sin, self.cache.k_caches, self.cache.v_caches)
         return self.cache
+
+    def _check_memory(self, num_blocks: int, rows: int, longest: int) -> None:
+        """Refuse, before any work, a batch whose blocks (all reserved up front) do not fit the
+        device; the cache in use is counted as free since it is replaced."""
+        w = self.weights
+        spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, self.dtype, BLOCK_SIZE)
+        needed = num_blocks * spec.bytes_per_block
+        free = free_memory_bytes(self.device)
+        if free is None:
+            return
+        if self.cache is not None:
+            free += self.cache.kv.nbytes
+        if needed > free:
+            raise CacheFull(f"pagedkv.generate: the batch needs {num_blocks} KV-cache blocks "
+                            f"({needed / 2**20:.1f} MiB: {rows} rows of up to {longest} tokens, prompt + "
+                            f"max_new_tokens) but {self.device} has {free / 2**20:.1f} MiB free; "
+                            "generate fewer rows or fewer new tokens per call. Nothing was run.")
 
     # -- generate ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], input_ids: torch.Tensor,
@@ -117,12 +136,13 @@ class ModelRunner:
         longest = max(len(p) for p in prompts) + max_new
         if longest > self.max_positions:
             raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
-                             f"max_position_embeddings is {self.max_positions}")
+                             f"max_position_embeddings is {self.max_positions}; prompt + "
+                             f"max_new_tokens must be <= {self.max_positions}")
         # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
         lengths = [len(p) + max_new for p in prompts]
         blocks_per_row = [math.ceil(n / BLOCK_SIZE) for n in lengths]
-        cache = self._ensure_cache(sum(blocks_per_row))
+        cache = self._ensure_cache(sum(blocks_per_row), batch, longest)
         seq_ids = list(range(batch))
         try:
             tables = self._reserve(cache, seq_ids, prompts, max_new)
@@ -238,14 +258,14 @@ class ModelRunner:
             ready.append(event)
 
         fetch(0, first)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
         eos = torch.tensor(settings.eos_token_ids, dtype=torch.int64)
         pad = settings.pad_token_id
         finished = torch.zeros(batch, dtype=torch.bool)
         produced: list[torch.Tensor] = []
         launched = 1
-        try:
+        try:  # the streamer gets end() however the loop ends, so that its reader is released
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
             while len(produced) < launched:
                 if launched < max_new:  # keep one step queued while the host reads the last
                     replay()

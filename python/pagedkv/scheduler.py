@@ -173,6 +173,18 @@ class Scheduler:
         at = self.running.index(parent) + 1
         self.running[at:at] = children
 
+    def recompute(self, seqs: list[Sequence]) -> None:
+        """After a step that failed once its slots were reserved: the sequences go back to the
+        front of the waiting queue (oldest first), their blocks freed and dropped from the prefix
+        cache (their K/V may never have been written), to be computed again from their tokens."""
+        for seq in reversed(seqs):
+            self.running.remove(seq)
+            self.cache.free(seq.seq_id, keep_cached=False)
+            seq.in_cache = False
+            seq.num_computed = 0
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         self.running.remove(seq)
         self.cache.free(seq.seq_id)

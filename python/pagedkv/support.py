@@ -9,6 +9,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rotary variants whose cos/sin depend only on the position (built once, up front); "dynamic"
 # and "longrope" change with the running sequence length, which a precomputed table cannot follow.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # what the attention kernels are instantiated for
 
 
 class UnsupportedModel(ValueError):
@@ -38,6 +39,10 @@ def unsupported_reason(model) -> str | None:
     rope = _rope_type(config)
     if rope not in SUPPORTED_ROPE_TYPES:
         return f"rope type {rope!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return (f"head_dim {head_dim} is not supported; supported: "
+                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         return f"layer_types {sorted(set(layer_types))} are not supported; supported: full_attention"

@@ -1,0 +1,286 @@
+// The torch-free cache core (csrc/cache/) on its own, built by scripts/cpp_sanitize.sh under
+// AddressSanitizer and UBSan: fixed cases of every operation and error path, then long random
+// operation sequences with the manager's invariants checked after every operation. The Python
+// property tests compare the same core against a model; this program exists so that the
+// sanitizers see every line of it run, with no Python, torch or pybind11 in between.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "cache/errors.h"
+#include "cache/step_metadata.h"
+
+using namespace pagedkv;
+
+namespace {
+
+int g_checks = 0;
+// Outcomes of the random operations, printed so that a run shows it reached every path.
+int g_done = 0, g_full = 0, g_refused = 0;
+
+#define CHECK(cond)                                                              \
+  do {                                                                           \
+    ++g_checks;                                                                  \
+    if (!(cond)) {                                                               \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                              \
+    }                                                                            \
+  } while (0)
+
+// Runs `call`, which must throw E (and change nothing: the caller compares state around it).
+template <typename E, typename F>
+void expect_throw_at(int line, F&& call) {
+  try {
+    call();
+  } catch (const E&) {
+    ++g_checks;
+    return;
+  }
+  std::fprintf(stderr, "%s:%d: expected an exception that was not thrown\n", __FILE__, line);
+  std::abort();
+}
+#define EXPECT_THROW(E, ...) expect_throw_at<E>(__LINE__, __VA_ARGS__)
+
+std::vector<int32_t> tokens_of(int64_t n, int32_t first = 3) {
+  std::vector<int32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = first + static_cast<int32_t>(i % 5);
+  return t;
+}
+
+// Everything a failed call must leave as it was, and what the invariants are computed from.
+struct Snapshot {
+  std::map<int64_t, std::vector<int32_t>> tables;
+  std::map<int64_t, int64_t> lens;
+  std::vector<int32_t> refs, evictable;
+  int32_t num_free;
+  bool operator==(const Snapshot&) const = default;
+};
+
+Snapshot snapshot(const CacheManager& m) {
+  Snapshot s;
+  for (const int64_t id : m.sequence_ids()) {
+    s.tables[id] = m.sequence(id).blocks;
+    s.lens[id] = m.sequence(id).num_tokens;
+  }
+  for (int32_t b = 0; b < m.allocator().num_blocks(); ++b) s.refs.push_back(m.allocator().ref_count(b));
+  s.evictable = m.allocator().evictable_blocks();
+  s.num_free = m.allocator().num_free();
+  return s;
+}
+
+// Ref counts equal owners, tables are as long as their tokens need, free + used = total.
+void check_invariants(const CacheManager& m) {
+  const int32_t n = m.allocator().num_blocks();
+  std::vector<int32_t> owners(n, 0);
+  for (const int64_t id : m.sequence_ids()) {
+    const Sequence& seq = m.sequence(id);
+    const int64_t want = (seq.num_tokens + m.block_size() - 1) / m.block_size();
+    CHECK(static_cast<int64_t>(seq.blocks.size()) == want);
+    CHECK(seq.num_tokens <= m.max_seq_len());
+    std::vector<int32_t> sorted = seq.blocks;
+    std::sort(sorted.begin(), sorted.end());
+    CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());
+    for (const int32_t b : seq.blocks) {
+      CHECK(b >= 0 && b < n);
+      ++owners[b];
+    }
+  }
+  int32_t used = 0;
+  for (int32_t b = 0; b < n; ++b) {
+    CHECK(m.allocator().ref_count(b) == owners[b]);
+    used += owners[b] > 0;
+  }
+  CHECK(used + m.allocator().num_free() == n);
+  for (const int32_t b : m.allocator().evictable_blocks()) CHECK(owners[b] == 0);
+  if (!m.prefix_caching()) CHECK(m.allocator().num_evictable() == 0);
+}
+
+void test_constructor_refuses_bad_sizes() {
+  EXPECT_THROW(std::invalid_argument, [] { CacheManager(0, 16, 64, true); });
+  EXPECT_THROW(std::invalid_argument, [] { CacheManager(4, 12, 64, true); });
+  EXPECT_THROW(std::invalid_argument, [] { CacheManager(4, 16, 0, true); });
+  EXPECT_THROW(std::invalid_argument, [] { CacheManager(1 << 30, 16, 64, true); });
+  EXPECT_THROW(std::invalid_argument, [] { StepLayout(0, 4, 4); });
+}
+
+void test_add_append_fork_free() {
+  CacheManager m(8, 4, 32, true);
+  CHECK(m.add_sequence(1, tokens_of(6)) == 0);
+  CHECK(m.sequence(1).blocks.size() == 2);
+  std::vector<BlockCopy> copies;
+  m.fork(1, 2);
+  CHECK(m.allocator().ref_count(m.sequence(1).blocks[1]) == 2);
+  // The shared last block is partly filled: the first writer copies it.
+  const std::vector<int64_t> ids{1, 2};
+  const std::vector<int32_t> next{9, 9};
+  m.append_batch(ids, next, copies);
+  CHECK(copies.size() == 1);
+  CHECK(m.sequence(1).blocks[1] != m.sequence(2).blocks[1]);
+  check_invariants(m);
+  // Same prompt again: its first full block is a prefix hit.
+  CHECK(m.add_sequence(3, tokens_of(6)) == 4);
+  m.reserve(3, 5, copies);
+  CHECK(m.sequence(3).num_tokens == 11);
+  check_invariants(m);
+  for (const int64_t id : {1, 2, 3}) m.free_sequence(id);
+  CHECK(m.num_sequences() == 0 && m.allocator().num_free() == 8);
+  check_invariants(m);
+  // keep_cached=false (after a failed step): the freed full blocks are no longer prefix hits.
+  const int32_t evictable = m.allocator().num_evictable();
+  CHECK(m.add_sequence(4, tokens_of(9, 50)) == 0);
+  m.free_sequence(4, false);
+  CHECK(m.allocator().num_evictable() == evictable);
+  CHECK(m.add_sequence(5, tokens_of(9, 50)) == 0);
+  m.free_sequence(5);
+  CHECK(m.allocator().num_evictable() == evictable + 2);
+  CHECK(m.add_sequence(6, tokens_of(9, 50)) == 8);
+  m.free_sequence(6);
+  check_invariants(m);
+}
+
+void test_errors_change_nothing() {
+  CacheManager m(4, 4, 24, true);
+  std::vector<BlockCopy> copies;
+  m.add_sequence(1, tokens_of(9));  // 3 blocks
+  const Snapshot before = snapshot(m);
+  EXPECT_THROW(CacheFull, [&] { m.add_sequence(2, tokens_of(8, 100)); });
+  EXPECT_THROW(CacheFull, [&] { m.append_tokens(1, tokens_of(8), copies); });
+  EXPECT_THROW(CacheFull, [&] { m.reserve(1, 8, copies); });
+  EXPECT_THROW(std::invalid_argument, [&] { m.add_sequence(2, {}); });
+  EXPECT_THROW(std::invalid_argument, [&] { m.add_sequence(2, tokens_of(25)); });
+  EXPECT_THROW(std::invalid_argument, [&] { m.add_sequence(1, tokens_of(2)); });
+  EXPECT_THROW(std::invalid_argument, [&] { m.reserve(1, -1, copies); });
+  EXPECT_THROW(std::invalid_argument, [&] { m.append_tokens(1, tokens_of(16), copies); });
+  EXPECT_THROW(UnknownSequence, [&] { m.free_sequence(7); });
+  EXPECT_THROW(UnknownSequence, [&] { m.fork(7, 8); });
+  EXPECT_THROW(std::invalid_argument, [&] { m.fork(1, 1); });
+  const std::vector<int64_t> twice{1, 1};
+  const std::vector<int32_t> two{5, 5};
+  EXPECT_THROW(std::invalid_argument, [&] { m.append_batch(twice, two, copies); });
+  const std::vector<int64_t> unknown{1, 9};
+  EXPECT_THROW(UnknownSequence, [&] { m.append_batch(unknown, two, copies); });
+  const std::vector<int64_t> one{1};
+  EXPECT_THROW(std::invalid_argument, [&] { m.append_batch(one, two, copies); });
+  CHECK(copies.empty());
+  CHECK(snapshot(m) == before);
+  m.free_sequence(1);
+  EXPECT_THROW(UnknownSequence, [&] { m.free_sequence(1); });  // double free
+  CHECK(m.allocator().num_free() == 4);
+}
+
+void test_step_metadata_errors() {
+  CacheManager m(8, 4, 16, false);
+  m.add_sequence(1, tokens_of(5));
+  const StepLayout layout(2, 8, m.max_blocks_per_seq());
+  std::vector<int32_t> buffer(layout.size, -7);
+  const std::vector<int64_t> ids{1};
+  const std::vector<int32_t> too_long{6}, all{5}, two{1, 1};
+  EXPECT_THROW(std::invalid_argument, [&] { build_step_metadata(m, layout, ids, {}, 3, buffer.data()); });
+  EXPECT_THROW(std::invalid_argument, [&] { build_step_metadata(m, layout, ids, too_long, 1, buffer.data()); });
+  EXPECT_THROW(std::invalid_argument, [&] { build_step_metadata(m, layout, ids, two, 1, buffer.data()); });
+  const StepLayout small(2, 4, m.max_blocks_per_seq());
+  std::vector<int32_t> small_buffer(small.size);
+  EXPECT_THROW(std::invalid_argument, [&] { build_step_metadata(m, small, ids, all, 1, small_buffer.data()); });
+  const StepSizes s = build_step_metadata(m, layout, ids, all, 2, buffer.data());
+  CHECK(s.num_tokens == 6 && s.max_query_len == 5 && s.max_context_len == 5);
+  CHECK(buffer[layout.slot_mapping + 5] == -1);  // the padding row's token
+}
+
+// Random operations on one manager; every call either succeeds or throws and changes nothing.
+void random_run(uint32_t seed, int num_ops) {
+  std::mt19937 rng(seed);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const int32_t block_size = 1 << pick(0, 3);
+  const int32_t num_blocks = pick(2, 24);
+  const int64_t max_seq_len = pick(4, 48);
+  CacheManager m(num_blocks, block_size, max_seq_len, pick(0, 1) == 1);
+  const StepLayout layout(8, 8 * 48, m.max_blocks_per_seq());
+  std::vector<int32_t> buffer(layout.size);
+  std::vector<BlockCopy> copies;
+  int64_t next_id = 0;
+  // Few distinct tokens and a shared opening, so prefix hits and equal blocks are common.
+  auto random_tokens = [&](int n) {
+    std::vector<int32_t> t(n);
+    const bool opening = pick(0, 1);
+    for (int i = 0; i < n; ++i) t[i] = opening && i < 8 ? 7 : pick(0, 3);
+    return t;
+  };
+  auto random_ids = [&](int max_n, bool allow_bad) {
+    std::vector<int64_t> all = m.sequence_ids();
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(std::min<size_t>(all.size(), pick(1, max_n)));
+    if (allow_bad && pick(0, 15) == 0) all.push_back(pick(0, 1) ? -1 : all.empty() ? 0 : all[0]);
+    return all;
+  };
+  for (int op = 0; op < num_ops; ++op) {
+    const Snapshot before = snapshot(m);
+    copies.clear();
+    bool threw = false;
+    try {
+      const std::vector<int64_t> ids = random_ids(6, true);
+      const int64_t some = ids.empty() ? -1 : ids[0];
+      switch (pick(0, 7)) {
+        case 0: case 1: m.add_sequence(next_id++, random_tokens(pick(0, static_cast<int>(max_seq_len) + 2))); break;
+        case 2: m.append_tokens(some, random_tokens(pick(0, 9)), copies); break;
+        case 3: m.reserve(some, pick(-1, 9), copies); break;
+        case 4: {
+          std::vector<int32_t> toks = random_tokens(static_cast<int>(ids.size()));
+          if (pick(0, 20) == 0) toks.push_back(1);
+          m.append_batch(ids, toks, copies);
+          break;
+        }
+        case 5: m.fork(some, pick(0, 9) == 0 ? some : next_id++); break;
+        case 6: m.free_sequence(some, pick(0, 3) != 0); break;
+        default: {
+          std::vector<int32_t> lens;
+          for (const int64_t id : ids) {
+            const int64_t n = m.contains(id) ? m.sequence(id).num_tokens : 1;
+            lens.push_back(pick(0, 20) == 0 ? 0 : pick(1, static_cast<int>(n)));
+          }
+          const int32_t batch = static_cast<int32_t>(ids.size());
+          build_step_metadata(m, layout, ids, lens, pick(std::max(batch, 1), 9), buffer.data());
+          m.blocks_needed_to_append(ids, pick(0, 9));
+        }
+      }
+    } catch (const CacheFull&) {
+      threw = true;
+      ++g_full;
+    } catch (const std::invalid_argument&) {
+      threw = true;
+      ++g_refused;
+    } catch (const UnknownSequence&) {
+      threw = true;
+      ++g_refused;
+    }
+    g_done += !threw;
+    if (threw) CHECK(copies.empty() && snapshot(m) == before);
+    for (const BlockCopy& c : copies) CHECK(c.src != c.dst && c.dst >= 0 && c.dst < num_blocks);
+    check_invariants(m);
+  }
+  for (const int64_t id : m.sequence_ids()) m.free_sequence(id);
+  CHECK(m.allocator().num_free() == num_blocks);
+  for (int32_t b = 0; b < num_blocks; ++b) CHECK(m.allocator().ref_count(b) == 0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // argv[1]: random runs (default 400); argv[2]: operations per run (default 200).
+  const int runs = argc > 1 ? std::atoi(argv[1]) : 400;
+  const int ops = argc > 2 ? std::atoi(argv[2]) : 200;
+  test_constructor_refuses_bad_sizes();
+  test_add_append_fork_free();
+  test_errors_change_nothing();
+  test_step_metadata_errors();
+  for (int seed = 0; seed < runs; ++seed) random_run(static_cast<uint32_t>(seed), ops);
+  std::printf("test_cache_manager: %d random runs x %d operations (%d done, %d cache full, %d refused), "
+              "%d checks passed\n", runs, ops, g_done, g_full, g_refused, g_checks);
+  CHECK(g_done > 0 && g_full > 0 && g_refused > 0);
+  return 0;
+}
