@@ -31,6 +31,7 @@ Prints and saves bench_host.md and bench_host.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -148,6 +149,7 @@ def measure(batch: int, steps: int, partial: bool, seed: int = 0) -> dict:
     try:
         for _ in range(batch):
             add()
+        gc.collect()  # the last engine's requests (Request <-> Sequence cycles) go now, not mid-run
         samples: list[dict[str, float]] = []
         context: list[int] = []
         taken = 0
