@@ -1,11 +1,13 @@
 """Host time of one pagedkv.LLM decode step, by phase, at B = 1, 64, 256 running sequences
 (issue 6: "scheduling and metadata for a 256-sequence step well under a millisecond").
 
-The engine runs as it is (``LLM.step``, see the two modes below) on a tiny CPU
-model, with the forward replaced by a stub that returns fixed random logits. Sampling is the real
-``ops.sample`` on a small vocabulary. Both are device work on a GPU machine: they are timed apart
-and left out of the host total. Phases are the engine's own methods, wrapped and timed
-exclusively (a phase's time excludes the phases it calls):
+The engine runs as it is (``LLM.step``, see the two modes below) on a tiny model, with the
+forward replaced by a stub that returns fixed random logits. Sampling is the real ``ops.sample``
+on a small vocabulary. Both are device work on a GPU machine: they are timed apart and left out
+of the host total. On the CPU (the default) no GPU is needed; ``--device cuda`` runs the CUDA path
+(batch buckets, the pinned metadata copy, the token read-back; eager: a stub has no graph to
+replay) and waits for the device inside the stub and sampling phases. Phases are the engine's
+own methods, wrapped and timed exclusively (a phase's time excludes the phases it calls):
 
   schedule     Scheduler.schedule, less the cache calls it makes
   cache        KVCache add / append / can_allocate / blocks_needed / fork / free (the C++ manager)
@@ -25,6 +27,7 @@ requests only); "stream" runs step(partial=True), as LLM.stream and online use d
 every request that got a token).
 
     python benchmarks/bench_host.py [--out DIR] [--steps 200] [--batches 1,64,256] [--repeats 3]
+                                    [--device cpu|cuda]
 Prints and saves bench_host.md and bench_host.json.
 """
 
@@ -98,8 +101,8 @@ class PhaseTimer:
 class StubDecoder:
     """Stands in for PagedDecoder.forward: logits [rows, V] sliced from one fixed random table."""
 
-    def __init__(self, max_rows: int, vocab: int) -> None:
-        self.logits = torch.randn(max_rows, vocab)  # [max_rows, V]
+    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
+        self.logits = torch.randn(max_rows, vocab, device=device)  # [max_rows, V]
 
     def forward(self, ids: torch.Tensor, meta, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         rows = ids.shape[0] if logits_rows is None else logits_rows.shape[0]
@@ -114,6 +117,18 @@ def tiny_model() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def synced(fn: Callable) -> Callable:
+    """fn, then a wait for the device: its work then counts where it is launched, not at the
+    token read-back (on the CPU a no-op)."""
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        return out
+
+    return call
+
+
 def instrument(llm: pagedkv.LLM, timer: PhaseTimer) -> None:
     """Wrap the engine's own methods (on this instance) into the timer's phases."""
     llm.scheduler.schedule = timer.wrap("schedule", llm.scheduler.schedule)
@@ -121,20 +136,20 @@ def instrument(llm: pagedkv.LLM, timer: PhaseTimer) -> None:
         setattr(llm.cache, name, timer.wrap("cache", getattr(llm.cache, name)))
     llm.cache.build_metadata = timer.wrap("metadata", llm.cache.build_metadata)
     llm._sample = timer.wrap("sampling", llm._sample)
-    llm.decoder = StubDecoder(llm.scheduler.max_num_batched_tokens, VOCAB)
-    llm.decoder.forward = timer.wrap("device", llm.decoder.forward)
+    llm.decoder = StubDecoder(llm.scheduler.max_num_batched_tokens, VOCAB, llm.device)
+    llm.decoder.forward = timer.wrap("device", synced(llm.decoder.forward))
     llm.step = timer.wrap("bookkeeping", llm.step)
 
 
-def measure(batch: int, steps: int, partial: bool, seed: int = 0) -> dict:
+def measure(batch: int, steps: int, partial: bool, device: str = "cpu", seed: int = 0) -> dict:
     """Median us per phase over `steps` decode-only steps of `batch` running sequences."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = tiny_model()
+    model = tiny_model().to(device)
     blocks_per_seq = -(-(MAX_PROMPT + MAX_OUTPUT) // BLOCK_SIZE)
+    num_blocks = max(batch * blocks_per_seq, MAX_MODEL_LEN // BLOCK_SIZE) + 64
     llm = pagedkv.LLM(model, max_num_seqs=batch, max_num_batched_tokens=8192, block_size=BLOCK_SIZE,
-                      num_kv_blocks=max(batch * blocks_per_seq, MAX_MODEL_LEN // BLOCK_SIZE) + 64, max_model_len=MAX_MODEL_LEN,
-                      use_cuda_graphs=False)
+                      num_kv_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, use_cuda_graphs=False)
 
     def add() -> None:
         prompt = torch.randint(0, VOCAB, (rng.randint(MIN_PROMPT, MAX_PROMPT),), generator=gen).tolist()
@@ -145,7 +160,7 @@ def measure(batch: int, steps: int, partial: bool, seed: int = 0) -> dict:
     timer = PhaseTimer()
     instrument(llm, timer)
     real_sample = ops.sample
-    ops.sample = timer.wrap("device", real_sample)  # the engine calls ops.sample through the module
+    ops.sample = timer.wrap("device", synced(real_sample))  # the engine calls ops.sample through the module
     try:
         for _ in range(batch):
             add()
@@ -193,26 +208,31 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--steps", type=int, default=200, help="timed decode steps per batch")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the metadata copy is real, device work is waited for inside its phase")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per row; the table keeps the one with the lowest median total")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the host path is single-threaded; keep CPU sampling off the other cores
 
     # Other processes on a shared machine stretch whole runs: keep each row's least disturbed run.
-    rows = [min((measure(int(b), args.steps, partial) for _ in range(args.repeats)), key=lambda r: r["total"])
+    rows = [min((measure(int(b), args.steps, partial, args.device) for _ in range(args.repeats)),
+                key=lambda r: r["total"])
             for partial in (False, True) for b in args.batches.split(",")]
     header = (["step", "running seqs", "context lens", "steps"] + [f"{p} us" for p in PHASES]
               + ["host total us", "mean total us"])
-    table_rows = [[MODES[r["partial"]], r["batch"], f"{r['context_lens'][0]}-{r['context_lens'][1]}", r["steps"]]
+    table_rows = [[MODES[r["partial"]], r["batch"], "{}-{}".format(*r["context_lens"]), r["steps"]]
                   + [r[p] for p in PHASES] + [r["total"], r["mean_total"]] for r in rows]
-    where = f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ", no GPU used"
+    where = f"{cpu_name()}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}"
     title = (f"pagedkv.LLM host time per decode step, median us ({where}; forward stubbed, sampling "
              f"left out; best of {args.repeats} runs); goal at B=256: well under {GOAL_US:.0f} us")
     save_table(args.out, "bench_host", title, markdown_table(header, table_rows)
                + "\n\nhost total: median of per-step sums (not the sum of the phase medians); mean total "
                "includes the steps after a finish (the batch changed: cached per-batch state is rebuilt)")
     (args.out / "bench_host.json").write_text(json.dumps(
-        {"title": title, "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+        {"title": title, "cpu": cpu_name(), "cores": os.cpu_count(), "device": args.device,
+         "torch": torch.__version__,
          "rows": rows}, indent=2) + "\n")
 
 

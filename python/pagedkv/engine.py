@@ -161,7 +161,8 @@ class LLM:
         if request_id in self._requests:
             raise ValueError(f"pagedkv.LLM: request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62) - params.n
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        stop_ids = frozenset(params.stop_token_ids) | eos
         request = Request(request_id, text, ids, params, max(seed, 0),
                           RequestMetrics(arrival_time=time.perf_counter()), stop_ids=stop_ids,
                           max_len=min(len(ids) + params.max_tokens, self.max_model_len))
