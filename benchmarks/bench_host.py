@@ -28,7 +28,7 @@ every request that got a token).
 
     python benchmarks/bench_host.py [--out DIR] [--steps 200] [--batches 1,64,256] [--repeats 3]
                                     [--device cpu|cuda]
-Prints and saves bench_host.md and bench_host.json.
+Prints and saves bench_host.md, bench_host.json and bench_host.png.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from report import markdown_table, save_table  # noqa: E402
+from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv import ops  # noqa: E402
@@ -230,6 +230,9 @@ def main() -> None:
     save_table(args.out, "bench_host", title, markdown_table(header, table_rows)
                + "\n\nhost total: median of per-step sums (not the sum of the phase medians); mean total "
                "includes the steps after a finish (the batch changed: cached per-batch state is rebuilt)")
+    save_bar_plot(args.out, "bench_host", f"pagedkv.LLM host time per decode step ({args.device})",
+                  [f"{MODES[r['partial']]} B={r['batch']}" for r in rows],
+                  {p: [r[p] for r in rows] for p in PHASES + ("total",)}, "median us per decode step")
     (args.out / "bench_host.json").write_text(json.dumps(
         {"title": title, "cpu": cpu_name(), "cores": os.cpu_count(), "device": args.device,
          "torch": torch.__version__,
