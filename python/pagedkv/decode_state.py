@@ -1,7 +1,8 @@
 """The device-side state of a fixed batch being decoded by generate(): every row's blocks are
 reserved up front, so each step's metadata (positions, slots, context lengths) follows from the
 last on the device. A decode step therefore needs no host work and no host->device copy, and the
-whole step, advance included, replays as one CUDA graph.
+whole step, advance included, replays as one CUDA graph. (This is why generate() does not use
+the engine's per-step host path, KVCache.build_metadata: there is no host work here to share.)
 
 Rows beyond the real batch (padding up to a CUDA-graph bucket) have context length 0 and slot -1:
 the kernels skip them.

@@ -31,6 +31,7 @@ from pagedkv.models.llama import ForwardMetadata, PagedDecoder
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.request import Request, Sequence, Status
 from pagedkv.runner import BATCH_BUCKETS, runner_for
+from pagedkv.sampling_batch import SamplingBatch
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.scheduler import Scheduler, SchedulerOutput
 from pagedkv.support import attention_window, check_supported
@@ -149,6 +150,7 @@ class LLM:
         if eos is None:
             eos = model.config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.sampling = SamplingBatch(self.device)
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
@@ -186,8 +188,11 @@ class LLM:
         if request_id in self._requests:
             raise ValueError(f"pagedkv.LLM: request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62) - params.n
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        stop_ids = frozenset(params.stop_token_ids) | eos
         request = Request(request_id, text, ids, params, max(seed, 0),
-                          RequestMetrics(arrival_time=time.perf_counter()))
+                          RequestMetrics(arrival_time=time.perf_counter()), stop_ids=stop_ids,
+                          max_len=min(len(ids) + params.max_tokens, self.max_model_len))
         seq = Sequence(next(self._seq_counter), request, 0, list(ids), len(ids),
                        pending_forks=params.n - 1)
         request.sequences.append(seq)
@@ -235,42 +240,49 @@ class LLM:
     def _step(self, partial: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        if not sched.rows:
+        if not sched.decodes and not sched.prefills:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("pagedkv.LLM: no waiting request fits the empty engine (a bug: "
                                    "add_request checks that each one fits)")
             return []
         self.stats.num_steps += 1
         self.stats.num_cached_prompt_tokens += sched.num_cached_tokens
-        self.stats.num_prompt_tokens_computed += sum(
-            r.num_new for r in sched.rows[sched.num_decodes:])
+        self.stats.num_prompt_tokens_computed += sum(r.num_new for r in sched.prefills)
         try:
-            sampled = self._run(sched)
+            samplers, tokens, repeat = self._run(sched)
         except BaseException:
             # Slots were reserved for work that did not happen: compute these requests again.
-            failed = {id(r.seq.request) for r in sched.rows}
+            failed = {id(s.request) for s in sched.decodes}
+            failed.update(id(r.seq.request) for r in sched.prefills)
             self.scheduler.recompute([s for s in self.scheduler.running if id(s.request) in failed])
             raise
         now = time.perf_counter()
-        touched: dict[str, Request] = {}
-        for seq, token in sampled:
-            seq.token_ids.append(token)
+        for seq in () if repeat else samplers:  # a repeated batch has had its first tokens
+            metrics = seq.request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+        # The loop over every sample of the step: kept to an append and two cheap tests.
+        ended: list[Request] = []
+        for seq, token in zip(samplers, tokens):
+            token_ids = seq.token_ids
+            token_ids.append(token)
             request = seq.request
-            touched[request.request_id] = request
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-        self.stats.num_generated_tokens += len(sampled)
+            if len(token_ids) >= request.max_len or token in request.stop_ids:
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    ended.append(request)
+        self.stats.num_generated_tokens += len(samplers)
+        # In the order of the step's samples (dicts keep the first one of each request).
+        ended_set = set(ended)
         outputs = []
-        for request in touched.values():
-            if request.finished:
+        for request in dict.fromkeys(s.request for s in samplers) if partial else dict.fromkeys(ended):
+            if request in ended_set and request.finished:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
-                outputs.append(self._output(request))
+                outputs.append(self._output(request, True))
             elif partial:
-                outputs.append(self._output(request))
+                outputs.append(self._output(request, False))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -281,23 +293,25 @@ class LLM:
             return "length"
         return None
 
-    def _run(self, sched: SchedulerOutput) -> list[tuple[Sequence, int]]:
-        """The forward and sampling of one step; returns (sequence, new token) pairs. Advances
-        num_computed, forks n > 1 samples once their prompt is computed."""
-        rows = sched.rows
+    def _run(self, sched: SchedulerOutput) -> tuple[list[Sequence], list[int], bool]:
+        """The forward and sampling of one step; returns the sequences that sampled, their new
+        tokens, and whether the same sequences sampled in the step before (SamplingBatch.repeats).
+        Advances num_computed, forks n > 1 samples once their prompt is computed."""
+        decodes, prefills = sched.decodes, sched.prefills
+        num_rows = len(decodes) + len(prefills)
         dev = self.device
-        decode_only = all(r.num_new == 1 for r in rows)
+        decode_only = all(r.num_new == 1 for r in prefills)
         padded = None
         if decode_only and dev.type == "cuda":
-            padded = min(next((b for b in BATCH_BUCKETS if b >= len(rows)), len(rows)),
+            padded = min(next((b for b in BATCH_BUCKETS if b >= num_rows), num_rows),
                          self.scheduler.max_num_seqs)
-        seq_ids = [r.seq.seq_id for r in rows]
-        query_lens = None if decode_only else [r.num_new for r in rows]
+        seq_ids = sched.decode_ids + [r.seq.seq_id for r in prefills] if prefills else sched.decode_ids
+        query_lens = None if decode_only else [1] * len(decodes) + [r.num_new for r in prefills]
         meta = self.cache.build_metadata(seq_ids, query_lens, padded)
-        tokens: list[int] = []
-        logits_rows: list[int] = []
-        samplers: list[Sequence] = []
-        for r in rows:
+        tokens = list(sched.decode_tokens)  # a decode row feeds its last token and samples
+        samplers = list(decodes)
+        logits_rows = list(range(len(decodes)))
+        for r in prefills:
             start = r.seq.num_computed
             tokens += r.seq.token_ids[start:start + r.num_new]
             if r.samples:
@@ -314,7 +328,7 @@ class LLM:
                 full = self.graphs.run(meta, ids)
             else:
                 full = self.decoder.forward(ids.to(dev, non_blocking=True), fmeta)
-            logits = full[:len(rows)] if len(samplers) == len(rows) else \
+            logits = full[:num_rows] if len(samplers) == num_rows else \
                 full[torch.tensor(logits_rows, dtype=torch.int64, device=dev)]
         elif samplers:
             ids = ids.to(dev, non_blocking=True)
@@ -323,22 +337,26 @@ class LLM:
         else:
             ids = ids.to(dev, non_blocking=True)
             self.decoder.forward(ids, fmeta, logits_rows=ids[:0])
-        for r in rows:
+        for seq in decodes:
+            seq.num_computed += 1
+        for r in prefills:
             r.seq.num_computed += r.num_new
         if not samplers:
-            return []
+            return [], [], False
 
-        # n > 1: fork the samples once the prompt is computed; they share its logits row.
-        row_of = list(range(len(samplers)))
-        for i, seq in enumerate(list(samplers)):
-            if seq.pending_forks:
-                children = self._fork(seq)
-                samplers += children
-                row_of += [i] * len(children)
-        if len(row_of) > len(logits_rows):
-            logits = logits[torch.tensor(row_of, device=dev)]
-        next_tokens = self._sample(logits, samplers).tolist()
-        return list(zip(samplers, next_tokens))
+        # n > 1: fork the samples once the prompt is computed; they share its logits row. A
+        # repeated batch has no forks pending: they were made when its sequences sampled before.
+        repeat = self.sampling.repeats(samplers, self.stats.num_steps)
+        if not repeat:
+            row_of = list(range(len(samplers)))
+            for i, seq in enumerate(list(samplers)):
+                if seq.pending_forks:
+                    children = self._fork(seq)
+                    samplers += children
+                    row_of += [i] * len(children)
+            if len(row_of) > len(logits_rows):
+                logits = logits[torch.tensor(row_of, device=dev)]
+        return samplers, self._sample(logits, samplers, repeat).tolist(), repeat
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         request = parent.request
@@ -354,30 +372,20 @@ class LLM:
         self.scheduler.insert_after(parent, children)
         return children
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], repeat: bool) -> torch.Tensor:
         """One token per row of logits [S, V] with each sequence's own parameters; the RNG
         counter is the sample's number of generated tokens, so a token never depends on the batch
-        slot or on preemption."""
-        logits = logits.float()
-        params = [s.request.params for s in seqs]
-        if all(p.greedy for p in params):
-            return ops.sample(logits)
-        dev = logits.device
+        slot or on preemption. repeat: the same sequences sampled in the step before."""
+        params = self.sampling.tensors(seqs, self.stats.num_steps, repeat)
+        if params is None:
+            return ops.sample(logits.float())
+        return ops.sample(logits.float(), *params)
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        return ops.sample(logits, tensor([p.temperature for p in params], torch.float32),
-                          tensor([p.top_k for p in params], torch.int32),
-                          tensor([p.top_p for p in params], torch.float32),
-                          tensor([s.seed for s in seqs], torch.int64),
-                          tensor([s.num_output for s in seqs], torch.int64))
-
-    def _output(self, request: Request) -> RequestOutput:
-        finished = request.finished
-        completions = [CompletionOutput(s.index, s.output_ids if finished else list(s.output_ids),
-                                        s.finish_reason, self.tokenizer,
-                                        request.params.skip_special_tokens)
+    def _output(self, request: Request, finished: bool) -> RequestOutput:
+        skip = request.params.skip_special_tokens
+        completions = [CompletionOutput(s.index, s.output_ids, s.finish_reason, self.tokenizer, skip)
+                       if finished or s.finish_reason is not None else
+                       CompletionOutput.snapshot(s.index, s.token_ids, s.prompt_len, self.tokenizer, skip)
                        for s in request.sequences]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, finished, request.metrics, request.num_cached_prompt_tokens)

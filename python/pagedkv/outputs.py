@@ -27,16 +27,34 @@ class CompletionOutput:
     """One sample of a request: its new token ids, their text (decoded on first access, with the
     engine's tokenizer; None without one) and why it finished ("stop", "length", None = running)."""
 
-    __slots__ = ("index", "token_ids", "finish_reason", "_tokenizer", "_skip_special", "_text")
+    __slots__ = ("index", "_token_ids", "_source", "finish_reason", "_tokenizer", "_skip_special", "_text")
 
-    def __init__(self, index: int, token_ids: list[int], finish_reason: str | None, tokenizer,
+    def __init__(self, index: int, token_ids: list[int] | None, finish_reason: str | None, tokenizer,
                  skip_special_tokens: bool = True):
         self.index = index
-        self.token_ids = token_ids
+        self._token_ids = token_ids
+        self._source: tuple[list[int], int, int] | None = None
         self.finish_reason = finish_reason
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._text: str | None = None
+
+    @classmethod
+    def snapshot(cls, index: int, tokens: list[int], start: int, tokenizer,
+                 skip_special_tokens: bool = True) -> CompletionOutput:
+        """A running sample's new tokens tokens[start:] as they are now. The list of a sequence
+        only grows, so the copy waits for the first access: a partial output per request per
+        step then costs no copy of every request's tokens."""
+        out = cls(index, None, None, tokenizer, skip_special_tokens)
+        out._source = (tokens, start, len(tokens))
+        return out
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._token_ids is None:
+            tokens, start, end = self._source
+            self._token_ids, self._source = tokens[start:end], None
+        return self._token_ids
 
     @property
     def text(self) -> str | None:

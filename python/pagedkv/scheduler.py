@@ -37,14 +37,27 @@ class ScheduledRow:
 
 @dataclasses.dataclass(slots=True)
 class SchedulerOutput:
-    rows: list[ScheduledRow]  # decode rows first, then prefill chunks
-    num_decodes: int
+    # Decode rows as plain lists (no row object per sequence: a 256-sequence decode step would
+    # spend ~100 us making them); the ids and last tokens are the ones append_batch reserved.
+    decodes: list[Sequence]  # one new token each (their last), in running order
+    decode_ids: list[int]  # [s.seq_id for s in decodes]
+    decode_tokens: list[int]  # [s.token_ids[-1] for s in decodes]
+    prefills: list[ScheduledRow]  # prefill chunks, after the decode rows
     preempted: list[Sequence]
     num_cached_tokens: int  # prompt tokens found in the prefix cache by this step's admissions
 
     @property
+    def num_decodes(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def rows(self) -> list[ScheduledRow]:
+        """Every row of the step: decode rows first, then prefill chunks."""
+        return [ScheduledRow(s, 1) for s in self.decodes] + self.prefills
+
+    @property
     def num_tokens(self) -> int:
-        return sum(r.num_new for r in self.rows)
+        return len(self.decodes) + sum(r.num_new for r in self.prefills)
 
 
 class Scheduler:
@@ -67,24 +80,26 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
         preempted: list[Sequence] = []
-        rows: list[ScheduledRow] = []
+        decodes: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for s in self.running:  # s.is_decoding, inlined: this loop runs over every sequence
+            (decodes if s.in_cache and len(s.token_ids) - s.num_computed == 1 else prefilling).append(s)
+        decode_ids = [s.seq_id for s in decodes]
+        decode_tokens = [s.token_ids[-1] for s in decodes]
+        while decodes:
+            try:  # all or nothing: CacheFull changes nothing
+                self.cache.append_batch(decode_ids, decode_tokens)
+                break
+            except CacheFull:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                self._drop_decode(victim, decodes, decode_ids, decode_tokens)
+        budget = self.max_num_batched_tokens - len(decodes)
 
-        decodes = [s for s in self.running if s.is_decoding]
-        while decodes and not self.cache.can_allocate(
-                self.cache.blocks_needed_to_append([s.seq_id for s in decodes], 1)):
-            victim = self.running[-1]
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim in decodes:
-                decodes.remove(victim)
-        if decodes:
-            self.cache.append_batch([s.seq_id for s in decodes], [s.token_ids[-1] for s in decodes])
-            rows += [ScheduledRow(s, 1) for s in decodes]
-            budget -= len(decodes)
-
-        for seq in [s for s in self.running if not s.is_decoding]:
+        prefills: list[ScheduledRow] = []
+        for seq in prefilling:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted by an older one of this loop
@@ -97,23 +112,23 @@ class Scheduler:
                     break
                 self._preempt(victim)
                 preempted.append(victim)
-                rows = [r for r in rows if r.seq is not victim]
-                budget = self.max_num_batched_tokens - sum(r.num_new for r in rows)
+                self._drop_decode(victim, decodes, decode_ids, decode_tokens)
+                prefills = [r for r in prefills if r.seq is not victim]
+                budget = self.max_num_batched_tokens - len(decodes) - sum(r.num_new for r in prefills)
                 chunk = min(seq.num_left, budget)
             if chunk == 0:
                 continue
             start = seq.num_computed
             self.cache.append_tokens(seq.seq_id, seq.token_ids[start:start + chunk])
-            rows.append(ScheduledRow(seq, chunk))
+            prefills.append(ScheduledRow(seq, chunk))
             budget -= chunk
-        decoding = set(map(id, decodes))
-        num_decodes = sum(1 for r in rows if id(r.seq) in decoding)
-        budget = self.max_num_batched_tokens - sum(r.num_new for r in rows)
+        budget = self.max_num_batched_tokens - len(decodes) - sum(r.num_new for r in prefills)
 
         cached = 0
+        slots = self._seq_slots() if self.waiting else 0
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if self._seq_slots() + 1 + seq.pending_forks > self.max_num_seqs:
+            if slots + 1 + seq.pending_forks > self.max_num_seqs:
                 break
             admitted = self._admit(seq, budget)
             if admitted is None:
@@ -121,10 +136,19 @@ class Scheduler:
             num_new, hits = admitted
             self.waiting.popleft()
             self.running.append(seq)
-            rows.append(ScheduledRow(seq, num_new))
+            slots += 1 + seq.pending_forks
+            prefills.append(ScheduledRow(seq, num_new))
             budget -= num_new
             cached += hits
-        return SchedulerOutput(rows, num_decodes, preempted, cached)
+        return SchedulerOutput(decodes, decode_ids, decode_tokens, prefills, preempted, cached)
+
+    @staticmethod
+    def _drop_decode(victim: Sequence, decodes: list[Sequence], ids: list[int], tokens: list[int]) -> None:
+        """A preempted sequence leaves this step's decode rows (its slot went with its blocks)."""
+        for i, s in enumerate(decodes):
+            if s is victim:
+                del decodes[i], ids[i], tokens[i]
+                return
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
         """Add the sequence's first chunk to the cache; (tokens to compute, prefix-cache hits),
