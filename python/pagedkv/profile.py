@@ -51,14 +51,17 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
-def profile_system(name: str, generate, ids, new: int, device, out: pathlib.Path | None):
+def profile_system(name: str, generate, ids, new: int, device, out: pathlib.Path | None,
+                   plain_generate=None):
     """Per-step profile of generate(ids, n): runs with 1 and 1 + new tokens, warmed up first,
-    each also timed without the profiler (its per-launch cost would inflate HF's wall time)."""
+    each also timed without the profiler (its per-launch cost would inflate HF's wall time), by
+    plain_generate when given (the same call without the profiling labels)."""
     short_n, long_n = 1, 1 + new
+    timed = plain_generate or generate
     generate(ids, long_n)
-    generate(ids, short_n)
-    unprofiled = (time_run(lambda: generate(ids, short_n), device),
-                  time_run(lambda: generate(ids, long_n), device))
+    timed(ids, short_n)
+    unprofiled = (time_run(lambda: timed(ids, short_n), device),
+                  time_run(lambda: timed(ids, long_n), device))
     stem = name.split()[0].lower()
     short = trace_run(lambda: generate(ids, short_n), device)
     long = trace_run(lambda: generate(ids, long_n), device,
@@ -89,13 +92,16 @@ def main(argv: list[str] | None = None) -> list:
         return pagedkv.generate(model, x, max_new_tokens=n, do_sample=False,
                                 use_cuda_graphs=False if args.no_graphs else None)
 
+    def hf_plain(x, n):
+        return model.generate(x, max_new_tokens=n, do_sample=False)
+
     def hf(x, n):
         with label_hf_cache_updates():
-            return model.generate(x, max_new_tokens=n, do_sample=False)
+            return hf_plain(x, n)
 
     profiles = [profile_system("pagedkv", ours, ids, args.new, device, args.out)]
     if args.compare == "hf":
-        profiles.append(profile_system("HF generate", hf, ids, args.new, device, args.out))
+        profiles.append(profile_system("HF generate", hf, ids, args.new, device, args.out, hf_plain))
     print(f"{args.model}, batch {args.batch}, prompt {args.prompt}, {args.new} decode steps, "
           f"{dtype}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
     print(side_by_side(profiles))

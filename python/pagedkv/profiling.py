@@ -148,8 +148,9 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
     return RunTrace(wall_ms, kernel_ms, busy_ms, kernels, allocs, alloc_bytes, syncs, kernel_table, phases)
 
 
-def time_run(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """Best wall ms of `repeats` calls of fn, not profiled (the device drained before and after)."""
+def time_run(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Best wall ms of `repeats` calls of fn, not profiled (the device drained before and after).
+    HF's host-bound steps vary by tens of percent from call to call: the best is the comparable."""
     best = float("inf")
     for _ in range(repeats):
         if device.type == "cuda":
