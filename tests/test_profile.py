@@ -17,9 +17,11 @@ def test_profile_cli_compares_with_hf(tmp_path, capsys):
                 "top kernels per step, HF generate"):
         assert row in printed
     assert ours.system == "pagedkv" and hf.system == "HF generate"
-    assert ours.kernels > 0 and hf.kernels > 0 and ours.wall_ms > 0
-    # A difference of two short timed runs: finite, but noise can push it either way on a CPU.
-    assert math.isfinite(ours.unprofiled_wall_ms) and math.isfinite(hf.unprofiled_wall_ms)
+    assert ours.kernels > 0 and hf.kernels > 0  # counts: exact differences of the two runs
+    # Times per step are differences of two short timed runs of a tiny model: finite, but on a
+    # loaded CPU noise can push them either way.
+    for p in (ours, hf):
+        assert math.isfinite(p.wall_ms) and math.isfinite(p.unprofiled_wall_ms)
     assert ours.phases_ms["decode_step"] > 0  # pagedkv's labels are in the trace
     assert hf.phases_ms["cache_update"] > 0  # HF's DynamicCache updates were labelled
     assert any(name.startswith("pagedkv::") for name, _, _ in ours.top_kernels)
