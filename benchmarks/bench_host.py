@@ -4,7 +4,8 @@
 The engine runs as it is (``LLM.step``, see the two modes below) on a tiny model, with the
 forward replaced by a stub that returns fixed random logits. Sampling is the real ``ops.sample``
 on a small vocabulary. Both are device work on a GPU machine: they are timed apart and left out
-of the host total. On the CPU (the default) no GPU is needed; ``--device cuda`` runs the CUDA path
+of the host total. On the CPU (the default without a GPU) no GPU is needed; ``--device cuda``
+(the default with one) runs the CUDA path
 (batch buckets, the pinned metadata copy, the token read-back; eager: a stub has no graph to
 replay) and waits for the device inside the stub and sampling phases. Phases are the engine's
 own methods, wrapped and timed exclusively (a phase's time excludes the phases it calls):
@@ -208,8 +209,10 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--steps", type=int, default=200, help="timed decode steps per batch")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="cuda: the metadata copy is real, device work is waited for inside its phase")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        choices=["cpu", "cuda"],
+                        help="cuda (the default with a GPU, as gpu_check.sh runs it): the metadata "
+                             "copy is real, device work is waited for inside its phase")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per row; the table keeps the one with the lowest median total")
     args = parser.parse_args()
