@@ -22,6 +22,8 @@ TORCH_LIBRARY(pagedkv, m) {
   // The split count the CUDA path of paged_decode_attention picks from shapes (host only).
   m.def("paged_decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int block_size, "
         "int max_blocks, int num_sms) -> int");
+  // The fp32 floats of paged_decode_attention's workspace for these shapes (0 without splits).
+  m.def("paged_decode_workspace_floats(int batch, int num_q_heads, int head_dim, int num_splits) -> int");
 
   // Decode-step kernels: RoPE + KV write, SiLU*mul, sampling, block copy (csrc/kernel_checks.h).
   // q, k rotated in place (HF rotate-half; optional per-head RMSNorm first); k, v written at

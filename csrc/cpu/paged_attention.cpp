@@ -107,16 +107,22 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention_cpu);
 }
 
-// The CUDA path's split heuristic is plain host code, registered for every build and device so
-// callers can size the workspace (and CI can test the heuristic) without a GPU.
+// The CUDA path's split heuristic and workspace layout are plain host code, registered for every
+// build and device so callers can size the workspace (and CI can test the heuristic) without a GPU.
 int64_t paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                                 int64_t block_size, int64_t max_blocks, int64_t num_sms) {
   return kernels::paged_decode_num_splits(batch, num_q_heads, num_kv_heads, block_size,
                                           max_blocks, num_sms);
 }
 
+int64_t paged_decode_workspace_floats(int64_t batch, int64_t num_q_heads, int64_t head_dim,
+                                      int64_t num_splits) {
+  return kernels::paged_decode_workspace_floats(batch, num_q_heads, head_dim, num_splits);
+}
+
 TORCH_LIBRARY_IMPL(pagedkv, CompositeExplicitAutograd, m) {
   m.impl("paged_decode_num_splits", &paged_decode_num_splits);
+  m.impl("paged_decode_workspace_floats", &paged_decode_workspace_floats);
 }
 
 }  // namespace pagedkv

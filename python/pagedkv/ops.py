@@ -116,9 +116,7 @@ def paged_decode_workspace(
     num_splits: the value that will be passed to paged_decode_attention (0 = automatic).
     """
     splits = num_splits or paged_decode_num_splits(q, k_cache, block_tables)
-    batch, num_q_heads, head_dim = q.shape
-    counters = (batch * num_q_heads + 3) // 4 * 4
-    numel = counters + batch * num_q_heads * splits * (head_dim + 2) if splits > 1 else 0
+    numel = _ops.paged_decode_workspace_floats(*q.shape, splits)  # q: [B, Hq, D]
     return torch.zeros(numel, dtype=torch.float32, device=q.device)
 
 
