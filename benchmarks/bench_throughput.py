@@ -182,6 +182,7 @@ def main() -> None:
     seconds, tokens, timeline = run_pagedkv(model, prompts, max_tokens, device, args)
     results["pagedkv.LLM"] = (seconds, tokens)
     curves["pagedkv.LLM"] = timeline
+    print(f"pagedkv.LLM: {tokens} output tokens in {seconds:.2f} s, {tokens / seconds:,.0f} tok/s", flush=True)
     hf_note = ""
     if not args.no_hf:
         try:

@@ -19,6 +19,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                         "cudaMemcpy"})
 PHASES = ("prefill", "decode_step", "sample", "metadata", "cache_update")
+# Phases that run once per generate call: the long-minus-short difference would cancel them, so
+# they are reported per call (from the long run) instead of per step.
+ONCE_PER_CALL = frozenset({"prefill"})
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,7 +36,7 @@ class RunTrace:
     alloc_bytes: int
     syncs: int  # host calls that wait for the device
     kernel_table: dict[str, tuple[float, int]]  # name -> (ms, calls)
-    phases_ms: dict[str, float]  # record_function label -> host ms
+    phases_ms: dict[str, float]  # record_function label -> host ms, labels seen in the trace only
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,7 +54,8 @@ class StepProfile:
     alloc_bytes: float
     syncs: float
     top_kernels: list[tuple[str, float, float]]  # (name, ms per step, calls per step)
-    phases_ms: dict[str, float]
+    # label -> host ms per step (per call for ONCE_PER_CALL); None: the system has no such label
+    phases_ms: dict[str, float | None]
 
 
 def _is_op(name: str) -> bool:
@@ -114,16 +118,16 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
     events = prof.events()
     kernel_table: dict[str, tuple[float, int]] = {}
     intervals = []
-    phases = {p: 0.0 for p in PHASES}
+    phases: dict[str, float] = {}
     syncs = 0
     for e in events:
-        if e.name in phases:
-            phases[e.name] += (e.time_range.end - e.time_range.start) / 1e3
+        if e.name in PHASES and e.device_type == torch.autograd.DeviceType.CPU:
+            phases[e.name] = phases.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
         if e.name in SYNC_CALLS and e.device_type == torch.autograd.DeviceType.CPU:
             syncs += 1
         # On the device timeline, record_function labels show up too: they are not kernels.
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name \
-                and "Memset" not in e.name and e.name not in phases:
+                and "Memset" not in e.name and e.name not in PHASES:
             ms = (e.time_range.end - e.time_range.start) / 1e3
             intervals.append((e.time_range.start, e.time_range.end))
         elif not cuda and _is_top_level_op(e):
@@ -184,8 +188,16 @@ def per_step(system: str, short: RunTrace, long: RunTrace, extra_steps: int,
         kernels=(long.kernels - short.kernels) / d, allocs=(long.allocs - short.allocs) / d,
         alloc_bytes=(long.alloc_bytes - short.alloc_bytes) / d, syncs=(long.syncs - short.syncs) / d,
         top_kernels=rows[:top],
-        phases_ms={p: (long.phases_ms[p] - short.phases_ms[p]) / d for p in PHASES},
+        phases_ms={p: _phase_ms(p, short, long, d) for p in PHASES},
     )
+
+
+def _phase_ms(phase: str, short: RunTrace, long: RunTrace, steps: float) -> float | None:
+    if phase not in long.phases_ms:
+        return None
+    if phase in ONCE_PER_CALL:
+        return long.phases_ms[phase]
+    return (long.phases_ms[phase] - short.phases_ms.get(phase, 0.0)) / steps
 
 
 def side_by_side(profiles: list[StepProfile]) -> str:
@@ -204,7 +216,9 @@ def side_by_side(profiles: list[StepProfile]) -> str:
         ("allocated bytes / step", [fmt(p.alloc_bytes, ".3g") for p in profiles]),
         ("host syncs / step", [fmt(p.syncs, ".2f") for p in profiles]),
     ]
-    rows += [(f"phase {name} ms / step", [fmt(p.phases_ms[name]) for p in profiles]) for name in PHASES]
+    rows += [(f"phase {name} ms / {'call' if name in ONCE_PER_CALL else 'step'}",
+              ["-" if p.phases_ms[name] is None else fmt(p.phases_ms[name]) for p in profiles])
+             for name in PHASES]
     width = max(len(r[0]) for r in rows) + 2
     cols = [max(18, len(p.system) + 2) for p in profiles]
     lines = ["".ljust(width) + "".join(p.system.rjust(c) for p, c in zip(profiles, cols))]
