@@ -3,13 +3,14 @@
 # for the device tool to carry (it takes at most 64 MiB a call, working tree included):
 #   .whl/nb/    nbconvert, ipykernel and their dependencies (examples/compare.ipynb on the GPU)
 #   .whl/deps/  gguf (the default model), and FlashInfer's small dependencies
-#   .whl/fi/    flashinfer-python (62 MB, W3's FlashInfer column), split in two halves, part_aa and
-#               part_ab, to carry in two consecutive calls (the machine stays warm between them)
-# On the device:
-#   pip install --no-index --find-links .whl/nb nbconvert ipykernel nbclient
-#   call 1: mkdir -p /root/fi && cp .whl/fi/part_aa /root/fi/
-#   call 2: cat /root/fi/part_aa .whl/fi/part_ab > /root/fi/$(cat .whl/fi/NAME) &&
-#           pip install --no-deps /root/fi/$(cat .whl/fi/NAME) .whl/deps/*.whl
+#   .whl/fi/    flashinfer-python (W3's FlashInfer column): its 62 MB wheel unpacked and packed again
+#               as flashinfer.tar.xz (~18 MB; the wheel's deflate leaves its sources 3.5x larger
+#               than xz does), so one call carries it with everything else
+# On the device (prefix the command with these, carry .whl):
+#   pip install -q --no-index --find-links .whl/nb nbconvert ipykernel nbclient
+#   mkdir -p /tmp/site && tar -xJf .whl/fi/flashinfer.tar.xz -C /tmp/site &&
+#     pip install -q --no-index --no-deps --target /tmp/site .whl/deps/*.whl &&
+#     export PYTHONPATH=/tmp/site
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,10 +23,8 @@ download() {  # download DIR [pip args...]
 }
 download .whl/nb nbconvert ipykernel nbclient
 download .whl/deps --no-deps gguf "apache-tvm-ffi<0.2,>=0.1.11" einops tabulate nvidia-ml-py
-rm -rf .whl/fi_download && download .whl/fi_download --no-deps "flashinfer-python==0.7.2.post1"
-mkdir -p .whl/fi
-wheel=$(ls .whl/fi_download/*.whl)
-basename "$wheel" > .whl/fi/NAME
-split -n 2 "$wheel" .whl/fi/part_
+rm -rf .whl/fi_download .whl/fi && download .whl/fi_download --no-deps "flashinfer-python==0.7.2.post1"
+mkdir -p .whl/fi .whl/fi_download/unpacked
+(cd .whl/fi_download/unpacked && "$PY" -m zipfile -e ../*.whl . && tar -cf - . | xz -T0 -6 > ../../fi/flashinfer.tar.xz)
 rm -rf .whl/fi_download
 du -sh .whl/nb .whl/deps .whl/fi
