@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On a GPU machine, after scripts/gpu_check.sh has built pagedkv: hardware counters (Nsight
+# Compute) of the kernels behind the open speed gaps, and paged decode attention's time over
+# num_splits at batch 1 (scripts/kernel_counters.py says which kernels and why).
+# Writes to $OUT (else ./results): counters.txt (ncu's details page per kernel, in the order the
+# script prints), splits.md (the sweep).
+# Usage: scripts/gpu_counters.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${OUT:-${RESULTS_DIR:-results}}
+mkdir -p "$RESULTS"
+PY=${PYTHON:-python3}
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+status=0
+"$PY" scripts/kernel_counters.py sweep | tee "$RESULTS/splits.md" || status=1
+if [ -z "$NCU" ]; then
+  echo "gpu_counters.sh: ncu not found" >&2; exit 1
+fi
+# --clock-control none: the clocks as every other measurement sees them (device METHOD.md).
+"$NCU" --profile-from-start off --clock-control none --nvtx \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+  --section LaunchStats --section WarpStateStats \
+  "$PY" scripts/kernel_counters.py counters > "$RESULTS/counters.txt" 2>&1 || status=1
+grep -E "profiled, in order|^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|L2 Hit|Achieved Occupancy|Registers Per|Theoretical Occupancy|Stall Long|Warp Cycles Per Issued" \
+  "$RESULTS/counters.txt" | head -200
+exit $status

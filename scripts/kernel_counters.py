@@ -1,0 +1,121 @@
+"""Diagnostics for the two open speed gaps, for one device call (scripts/gpu_counters.sh runs it):
+
+  counters  one launch of each kernel below, between cudaProfilerStart/Stop, for Nsight Compute
+            (`ncu --profile-from-start off`): the GEMV at 1 row (CUDA cores) against 8 rows
+            (tensor cores) on W1's down and gate_up shapes (issue 5: 8 rows are ~7% slower per
+            byte of weight), and paged decode attention against dense SDPA at 1 x 8192 (issue 4:
+            0.68 of dense SDPA's GB/s).
+  sweep     paged decode attention's time at batch 1 over num_splits, by CUDA-graph replay: is the
+            automatic split count the best one at small batch?
+
+    python scripts/kernel_counters.py counters|sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv import ops
+
+HIDDEN, INTERMEDIATE = 3584, 18944  # W1 (Qwen2.5-7B)
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def attention_inputs(batch: int, context: int):
+    blocks = batch * context // BLOCK_SIZE
+    k_cache = torch.randn(blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return q, k_cache, v_cache, table, lens
+
+
+def cases() -> list[tuple[str, Callable[[], object]]]:
+    out = []
+    down = torch.randn(HIDDEN, INTERMEDIATE, dtype=DTYPE, device="cuda")
+    gate_up = torch.randn(2 * INTERMEDIATE, HIDDEN, dtype=DTYPE, device="cuda")
+    for rows in (1, 8):
+        x_down = torch.randn(rows, INTERMEDIATE, dtype=DTYPE, device="cuda")
+        x_up = torch.randn(rows, HIDDEN, dtype=DTYPE, device="cuda")
+        out.append((f"down {HIDDEN}x{INTERMEDIATE}, {rows} rows", lambda x=x_down: ops.linear(x, down)))
+        out.append((f"gate_up {2 * INTERMEDIATE}x{HIDDEN}, {rows} rows",
+                    lambda x=x_up: ops.gate_up_silu(x, gate_up)))
+    q, k_cache, v_cache, table, lens = attention_inputs(1, 8192)
+    workspace = ops.paged_decode_workspace(q, k_cache, table)
+    out.append(("paged decode 1x8192", lambda: ops.paged_decode_attention(
+        q, k_cache, v_cache, table, lens, HEAD_DIM ** -0.5, workspace=workspace)))
+    k = torch.randn(1, NUM_KV_HEADS, 8192, HEAD_DIM, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    q4 = q.view(1, NUM_Q_HEADS, 1, HEAD_DIM)
+    out.append(("dense SDPA 1x8192", lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)))
+    return out
+
+
+def counters() -> None:
+    todo = cases()
+    for _, fn in todo:  # warm-up: allocator, cuBLAS/SDPA kernel choice
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for name, fn in todo:
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled, in order:", "; ".join(name for name, _ in todo))
+
+
+def graph_us(fn, calls: int = 20, replays: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep() -> None:
+    print("| context | num_splits | us | GB/s of K/V |")
+    print("|---|---|---|---|")
+    for context in (1024, 8192, 32768):
+        q, k_cache, v_cache, table, lens = attention_inputs(1, context)
+        auto = ops.paged_decode_num_splits(q, k_cache, table)
+        kv_bytes = 2 * context * NUM_KV_HEADS * HEAD_DIM * 2
+        for splits in sorted({auto, 8, 16, 32, 64, 96, 128, 192, 256, 384} - {0}):
+            if splits > context // BLOCK_SIZE:
+                continue
+            workspace = ops.paged_decode_workspace(q, k_cache, table, splits)
+            us = graph_us(lambda: ops.paged_decode_attention(
+                q, k_cache, v_cache, table, lens, HEAD_DIM ** -0.5, workspace=workspace, num_splits=splits))
+            mark = " (auto)" if splits == auto else ""
+            print(f"| {context} | {splits}{mark} | {us:.1f} | {kv_bytes / us / 1e3:.0f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["counters", "sweep"])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernel_counters.py: needs a CUDA GPU")
+    counters() if args.mode == "counters" else sweep()
+
+
+if __name__ == "__main__":
+    main()
