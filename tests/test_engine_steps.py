@@ -56,3 +56,24 @@ def test_partial_outputs_keep_the_tokens_of_their_step(finish_first):
         assert [o.finished for o in mine] == [False] * (n - 1) + [True]
         assert mine[-1].outputs[0].finish_reason == "length"
     assert_no_leaks(llm)
+
+
+def test_partial_outputs_of_n_samples_are_prefixes_of_the_final_ones():
+    # A request of several samples takes the general output path, one of one sample the inline
+    # one; both snapshot the tokens of their step.
+    llm = LLM(model(), max_num_seqs=8)
+    prompts = random_prompts([9, 14], seed=23)
+    llm.add_request(prompts[0], SamplingParams(n=2, max_tokens=6, temperature=0.9, seed=5, ignore_eos=True))
+    llm.add_request(prompts[1], SamplingParams(max_tokens=6, temperature=0.9, seed=6, ignore_eos=True))
+    outputs = []
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+    for request_id, n in (("0", 2), ("1", 1)):
+        mine = [o for o in outputs if o.request_id == request_id]
+        assert [o.finished for o in mine] == [False] * 5 + [True]
+        final = [c.token_ids for c in mine[-1].outputs]
+        assert len(final) == n and all(len(t) == 6 for t in final)
+        for step, out in enumerate(mine, start=1):
+            assert [c.token_ids for c in out.outputs] == [t[:step] for t in final]
+            assert [c.finish_reason for c in out.outputs] == [None if step < 6 else "length"] * n
+    assert_no_leaks(llm)

@@ -30,10 +30,12 @@ class CompletionOutput:
     __slots__ = ("index", "_token_ids", "_source", "finish_reason", "_tokenizer", "_skip_special", "_text")
 
     def __init__(self, index: int, token_ids: list[int] | None, finish_reason: str | None, tokenizer,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, source: tuple[list[int], int, int] | None = None):
+        """token_ids, or source = (tokens, start, end): the ids are tokens[start:end], copied on
+        first access (see snapshot)."""
         self.index = index
         self._token_ids = token_ids
-        self._source: tuple[list[int], int, int] | None = None
+        self._source = source
         self.finish_reason = finish_reason
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
@@ -45,9 +47,7 @@ class CompletionOutput:
         """A running sample's new tokens tokens[start:] as they are now. The list of a sequence
         only grows, so the copy waits for the first access: a partial output per request per
         step then costs no copy of every request's tokens."""
-        out = cls(index, None, None, tokenizer, skip_special_tokens)
-        out._source = (tokens, start, len(tokens))
-        return out
+        return cls(index, None, None, tokenizer, skip_special_tokens, (tokens, start, len(tokens)))
 
     @property
     def token_ids(self) -> list[int]:
