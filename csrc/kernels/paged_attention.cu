@@ -123,7 +123,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   const int head0 = kv_head * plan.group_size + chunk * plan.chunk_heads;  // first query head
   const int heads = min(plan.chunk_heads, plan.group_size - chunk * plan.chunk_heads);
 
-  T* out = static_cast<T*>(a.out) + b * a.out_stride_b + head0 * a.out_stride_h;
+  T* out = static_cast<T*>(a.out) + b * a.out_stride_row + head0 * a.out_stride_h;
   if (begin >= end) {
     // Nothing to read. Split 0 of a padding row (context 0) writes its zeros; other splits past
     // the context are not counted by the merge below.
@@ -145,7 +145,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   // group padded up to G) get zeros and are never written.
   float q[G][kE];
   const float q_scale = a.scale * kLog2e;
-  const T* q_base = static_cast<const T*>(a.q) + b * a.q_stride_b + head0 * a.q_stride_h;
+  const T* q_base = static_cast<const T*>(a.q) + b * a.q_stride_row + head0 * a.q_stride_h;
 #pragma unroll
   for (int h = 0; h < G; ++h) {
 #pragma unroll

@@ -9,23 +9,14 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/dtype.h"
+#include "kernels/paged_attention_args.h"
 
 namespace pagedkv::kernels {
 
-struct PagedPrefillArgs {
-  void* out;                   // [num_tokens, num_q_heads, head_dim], head_dim contiguous
-  const void* q;               // [num_tokens, num_q_heads, head_dim], head_dim contiguous
-  const void* k_cache;         // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
-  const void* v_cache;         // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
-  const int* block_tables;     // [batch, max_blocks], contiguous
-  const int* context_lens;     // [batch]: tokens of sequence b, its new ones included
+struct PagedPrefillArgs : PagedAttentionArgs {  // rows = new tokens; context_lens counts them
   const int* query_start_loc;  // [batch + 1]: sequence b's new tokens are rows [qsl[b], qsl[b+1])
-  int64_t out_stride_t, out_stride_h;
-  int64_t q_stride_t, q_stride_h;
   int num_tokens;              // rows of q; query_start_loc[batch] <= num_tokens
-  int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int max_query_len;           // host upper bound of qsl[b+1] - qsl[b] (with num_tokens, sizes the grid)
-  float scale;
 };
 
 // head_dim in {64, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a multiple

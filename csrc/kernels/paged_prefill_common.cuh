@@ -90,7 +90,7 @@ __device__ __forceinline__ void load_q_tile(T* s_q, const PagedPrefillArgs& a, c
   for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
     const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kVec;
     const bool valid = r < w.rows;
-    const T* src = valid ? q + (w.first + w.tok0 + r / w.heads) * a.q_stride_t +
+    const T* src = valid ? q + (w.first + w.tok0 + r / w.heads) * a.q_stride_row +
                                (w.head0 + r % w.heads) * a.q_stride_h + col
                          : q;
     cp_async16(s_q + r * kLd + col, src, valid);

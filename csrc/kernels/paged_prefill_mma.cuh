@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(mma::kThreads, mma::ctas_per_sm<D>()) paged_pr
     const float total = lanes_sum<4>(l[i]);
     if (r >= w.rows) continue;
     const float inv = total > 0.f ? 1.f / total : 0.f;  // a row before position 0: zeros
-    T* dst = out + (w.first + w.tok0 + r / w.heads) * a.out_stride_t + (w.head0 + r % w.heads) * a.out_stride_h;
+    T* dst = out + (w.first + w.tok0 + r / w.heads) * a.out_stride_row +
+             (w.head0 + r % w.heads) * a.out_stride_h;
 #pragma unroll
     for (int n = 0; n < kDimTiles; ++n) {
       Vec<T, 2> v;

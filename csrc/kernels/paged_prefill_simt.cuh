@@ -184,7 +184,8 @@ paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
     const float total = lanes_sum<8>(l[i]);
     if (r >= w.rows) continue;
     const float inv = total > 0.f ? 1.f / total : 0.f;  // a row before position 0: zeros
-    T* dst = out + (w.first + w.tok0 + r / w.heads) * a.out_stride_t + (w.head0 + r % w.heads) * a.out_stride_h;
+    T* dst = out + (w.first + w.tok0 + r / w.heads) * a.out_stride_row +
+             (w.head0 + r % w.heads) * a.out_stride_h;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       Vec<T, 4> v;

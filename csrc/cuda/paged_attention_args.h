@@ -1,0 +1,44 @@
+// Host side of the arguments both paged attention launchers (decode, prefill) share.
+#pragma once
+#include <torch/types.h>
+
+#include "cuda/torch_utils.h"
+#include "kernels/paged_attention_args.h"
+
+namespace pagedkv {
+
+// Checks what the kernels' 16-byte vector loads need (rows of q and out, both caches) and fills
+// the shared fields from tensors the op's checks have already validated: out, q [rows, Hq, D],
+// caches [num_blocks, block_size, Hkv, D], block_tables [batch, max_blocks].
+inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Tensor& out,
+                                      const at::Tensor& q, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& context_lens, double scale) {
+  const int64_t elem = q.element_size();
+  TORCH_CHECK(aligned16(q.const_data_ptr()) && aligned16(out.const_data_ptr()) &&
+                  (q.stride(0) * elem) % 16 == 0 && (q.stride(1) * elem) % 16 == 0 &&
+                  (out.stride(0) * elem) % 16 == 0 && (out.stride(1) * elem) % 16 == 0,
+              "pagedkv: q and out rows must start at 16-byte boundaries (strides ", q.strides(),
+              " and ", out.strides(), "); call .contiguous() first");
+  TORCH_CHECK(aligned16(k_cache.const_data_ptr()) && aligned16(v_cache.const_data_ptr()),
+              "pagedkv: k_cache and v_cache must start at 16-byte boundaries");
+  args.out = out.data_ptr();
+  args.q = q.const_data_ptr();
+  args.k_cache = k_cache.const_data_ptr();
+  args.v_cache = v_cache.const_data_ptr();
+  args.block_tables = block_tables.const_data_ptr<int>();
+  args.context_lens = context_lens.const_data_ptr<int>();
+  args.out_stride_row = out.stride(0);
+  args.out_stride_h = out.stride(1);
+  args.q_stride_row = q.stride(0);
+  args.q_stride_h = q.stride(1);
+  args.batch = static_cast<int>(block_tables.size(0));
+  args.num_q_heads = static_cast<int>(q.size(1));
+  args.num_kv_heads = static_cast<int>(k_cache.size(2));
+  args.head_dim = static_cast<int>(q.size(2));
+  args.block_size = static_cast<int>(k_cache.size(1));
+  args.max_blocks = static_cast<int>(block_tables.size(1));
+  args.scale = static_cast<float>(scale);
+}
+
+}  // namespace pagedkv

@@ -1,0 +1,22 @@
+// The arguments both paged attention kernels (decode, prefill) share: query rows, the paged K/V
+// cache and its block tables. A row is a sequence in decode, a new token in prefill. Pointers are
+// device pointers, strides count elements.
+#pragma once
+#include <cstdint>
+
+namespace pagedkv::kernels {
+
+struct PagedAttentionArgs {
+  void* out;                 // [rows, num_q_heads, head_dim], head_dim contiguous
+  const void* q;             // [rows, num_q_heads, head_dim], head_dim contiguous
+  const void* k_cache;       // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+  const void* v_cache;       // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+  const int* block_tables;   // [batch, max_blocks], contiguous
+  const int* context_lens;   // [batch]: tokens of sequence b in the cache
+  int64_t out_stride_row, out_stride_h;
+  int64_t q_stride_row, q_stride_h;
+  int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  float scale;
+};
+
+}  // namespace pagedkv::kernels
