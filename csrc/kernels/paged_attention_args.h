@@ -3,6 +3,7 @@
 // device pointers, strides count elements.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 namespace pagedkv::kernels {
 
@@ -18,5 +19,9 @@ struct PagedAttentionArgs {
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
   float scale;
 };
+// Filled by the host compiler, read by nvcc's code: a POD keeps the two layouts identical (and the
+// structs deriving from it put their own fields after its tail padding, never inside it).
+static_assert(std::is_standard_layout_v<PagedAttentionArgs> &&
+              std::is_trivially_copyable_v<PagedAttentionArgs>);
 
 }  // namespace pagedkv::kernels
