@@ -56,7 +56,7 @@ def test_too_long_llm():
     llm = new_llm()  # 16 blocks of 16: max_model_len 256
     with pytest.raises(ValueError, match=r"the prompt has 256 tokens; at most 255 fit \(max_model_len 256"):
         llm.add_request(prompt(256), GREEDY)
-    with pytest.raises(ValueError, match=r"a prompt has 300 tokens; at most 255 fit"):
+    with pytest.raises(ValueError, match=r"the prompt has 300 tokens; at most 255 fit .* \(prompt 1 of 2\)"):
         llm.generate([prompt(4), prompt(300)], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"max_model_len 1000 is more than the model's limit \(512\) "
                                          r"or the KV cache's capacity \(256 tokens\)"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 import random
 import time
 from typing import Iterable, Iterator, Sequence as Seq
@@ -29,15 +28,13 @@ from pagedkv.cache import KVCache
 from pagedkv.decode_graphs import DecodeGraphs
 from pagedkv.models.llama import ForwardMetadata, PagedDecoder
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.prompts import Prompt, load_model, tokenize_prompt
 from pagedkv.request import Request, Sequence, Status
 from pagedkv.runner import BATCH_BUCKETS, runner_for
 from pagedkv.sampling_batch import SamplingBatch
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.scheduler import Scheduler, SchedulerOutput
 from pagedkv.support import attention_window, check_supported
-
-Prompt = str | Seq[int]
-
 
 @dataclasses.dataclass(slots=True)
 class EngineStats:
@@ -48,49 +45,6 @@ class EngineStats:
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache instead
     num_generated_tokens: int = 0
     num_preemptions: int = 0
-
-
-def _load(model, tokenizer, dtype):
-    if isinstance(model, str):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        name = model
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto")
-        if torch.cuda.is_available():
-            model = model.cuda()
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(name)
-    elif isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-    return model.eval(), tokenizer
-
-
-def _token_ids(prompt) -> list[int]:
-    """The ids of a prompt given as ids: ints (Python, numpy, 0-d tensors; never floats), or an
-    integer tensor [n] or [1, n] on any device that holds data."""
-    if isinstance(prompt, torch.Tensor):
-        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-            raise TypeError(f"pagedkv.LLM: a prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
-        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
-            raise ValueError(f"pagedkv.LLM: a prompt tensor must be [n] or [1, n], got shape "
-                             f"{tuple(prompt.shape)}; pass a batch as a list of prompts")
-        if prompt.is_meta:
-            raise ValueError("pagedkv.LLM: a prompt tensor is on the meta device (it holds no token ids)")
-        return prompt.flatten().tolist()
-    try:
-        items = list(prompt)
-    except TypeError:
-        raise TypeError("pagedkv.LLM: a prompt is a string or a list of token ids, got "
-                        f"{type(prompt).__name__}") from None
-    ids = []
-    for t in items:
-        try:
-            ids.append(operator.index(t))
-        except TypeError:
-            raise TypeError(f"pagedkv.LLM: token ids must be ints, got {t!r} ({type(t).__name__})") from None
-    return ids
 
 
 class LLM:
@@ -118,7 +72,7 @@ class LLM:
             raise ValueError(f"pagedkv.LLM: max_num_batched_tokens ({max_num_batched_tokens}) must be "
                              f">= max_num_seqs ({max_num_seqs}): every running sequence decodes a "
                              "token per step")
-        model, self.tokenizer = _load(model, tokenizer, dtype)
+        model, self.tokenizer = load_model(model, tokenizer, dtype)
         check_supported(model)
         self.model = model
         runner = runner_for(model)  # the weights, fused once and shared with generate()
@@ -171,12 +125,18 @@ class LLM:
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request (a string, with the tokenizer, or token ids); returns its id. Bad
-        input raises ValueError and leaves the engine as it was."""
-        params = sampling_params or SamplingParams()
+        input raises ValueError (TypeError for a wrong type) and leaves the engine as it was."""
+        text, ids, params = self._checked(prompt, sampling_params)
+        return self._enqueue(text, ids, params, request_id)
+
+    def _checked(self, prompt: Prompt, sampling_params: SamplingParams | None
+                 ) -> tuple[str | None, list[int], SamplingParams]:
+        """A request's text, token ids and parameters, or the error that refuses it."""
+        params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError("pagedkv.LLM: sampling_params must be a SamplingParams, got "
                             f"{type(params).__name__}")
-        text, ids = self._tokenize(prompt)
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"pagedkv.LLM: the prompt has {len(ids)} tokens; at most "
                              f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len}, one "
@@ -184,6 +144,10 @@ class LLM:
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"pagedkv.LLM: n = {params.n} samples is more than max_num_seqs "
                              f"({self.scheduler.max_num_seqs})")
+        return text, ids, params
+
+    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
+                 request_id: str | None) -> str:
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"pagedkv.LLM: request id {request_id!r} is already in use")
@@ -199,24 +163,6 @@ class LLM:
         self._requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("pagedkv.LLM: a string prompt needs a tokenizer; pass tokenizer= "
-                                 "or give token ids")
-            ids = list(self.tokenizer.encode(prompt))
-            text = prompt
-        else:
-            ids = _token_ids(prompt)
-            text = None
-        if not ids:
-            raise ValueError("pagedkv.LLM: the prompt is empty; it needs at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"pagedkv.LLM: prompt token ids {bad[:5]} are outside "
-                             f"[0, {self.vocab_size - 1}]")
-        return text, ids
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (its blocks are freed); unknown ids are ignored."""
@@ -432,15 +378,13 @@ class LLM:
         else:
             params = [sampling_params] * len(prompts)
         # Check every request first, so that a bad one leaves nothing queued.
-        for prompt, p in zip(prompts, params):
-            _, ids = self._tokenize(prompt)
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"pagedkv.LLM: a prompt has {len(ids)} tokens; at most "
-                                 f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len})")
-            if p is not None and not isinstance(p, SamplingParams):
-                raise TypeError("pagedkv.LLM: sampling_params must be SamplingParams, got "
-                                f"{type(p).__name__}")
-        return [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                checked.append(self._checked(prompt, p))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{error} (prompt {i} of {len(prompts)})") from None
+        return [self._enqueue(*request, None) for request in checked]
 
     def stream(self, prompts: Prompt | Iterable[Prompt],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None
