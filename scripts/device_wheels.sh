@@ -6,11 +6,8 @@
 #   .whl/fi/    flashinfer-python (W3's FlashInfer column): its 62 MB wheel unpacked and packed again
 #               as flashinfer.tar.xz (~18 MB; the wheel's deflate leaves its sources 3.5x larger
 #               than xz does), so one call carries it with everything else
-# On the device (prefix the command with these, carry .whl):
-#   pip install -q --no-index --find-links .whl/nb nbconvert ipykernel nbclient
-#   mkdir -p /tmp/site && tar -xJf .whl/fi/flashinfer.tar.xz -C /tmp/site &&
-#     pip install -q --no-index --no-deps --target /tmp/site .whl/deps/*.whl &&
-#     export PYTHONPATH=/tmp/site
+# On the device, scripts/gpu_check.sh installs them when .whl is carried (nbconvert and ipykernel
+# into the system site, FlashInfer and the deps into /tmp/pagedkv-site on PYTHONPATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -7,6 +7,7 @@
 #   *.png          the benchmarks' plots
 # Usage: scripts/gpu_check.sh [--no-tests] [--bench all|none|NAME[,NAME...]] [-- PYTEST_ARGS]
 #   NAME is a benchmark file's stem without "bench_" (e.g. norm, attention).
+# With a .whl folder (scripts/device_wheels.sh, carried along) it installs those wheels first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-${RESULTS_DIR:-results}}
@@ -41,6 +42,25 @@ fi
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
+
+# Wheels carried from the dev machine (scripts/device_wheels.sh; the device tool's `carry: [".whl"]`):
+# the notebook's nbconvert/ipykernel for tests/test_notebook.py, gguf, FlashInfer for W3's column.
+if [ -d .whl ]; then
+  echo "== carried wheels (.whl)"
+  SITE=/tmp/pagedkv-site
+  mkdir -p "$SITE"
+  if [ -d .whl/nb ]; then
+    "$PY" -m pip install -q --no-index --disable-pip-version-check --find-links .whl/nb \
+      nbconvert ipykernel nbclient || echo "gpu_check: the notebook wheels did not install"
+  fi
+  if [ -f .whl/fi/flashinfer.tar.xz ]; then tar -xJf .whl/fi/flashinfer.tar.xz -C "$SITE"; fi
+  if ls .whl/deps/*.whl > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$SITE" \
+      .whl/deps/*.whl || echo "gpu_check: .whl/deps did not install"
+  fi
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+fi
 
 echo "== build"
 start=$(date +%s)
