@@ -94,22 +94,20 @@ class ModelRunner:
     # -- cache -------------------------------------------------------------------------------
     def _ensure_cache(self, num_blocks: int, rows: int, longest: int) -> KVCache:
         if self.cache is None or self.cache.num_blocks < num_blocks:
-            self._check_memory(num_blocks, rows, longest)
+            w = self.weights
+            spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, self.dtype, BLOCK_SIZE)
+            self._check_memory(spec, num_blocks, rows, longest)
             self._graphs.clear()  # graphs hold the old cache's addresses
             self.cache = None
-            w = self.weights
-            self.cache = KVCache(num_layers=len(w.layers), num_kv_heads=w.num_kv_heads,
-                                 head_dim=w.head_dim, dtype=self.dtype, device=self.device,
-                                 block_size=BLOCK_SIZE, num_blocks=num_blocks,
+            self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                                 device=self.device, block_size=spec.block_size, num_blocks=num_blocks,
                                  max_seq_len=self.max_positions, enable_prefix_caching=False)
             self.decoder = PagedDecoder(w, self.cos_sin, self.cache.k_caches, self.cache.v_caches)
         return self.cache
 
-    def _check_memory(self, num_blocks: int, rows: int, longest: int) -> None:
+    def _check_memory(self, spec: KVCacheSpec, num_blocks: int, rows: int, longest: int) -> None:
         """Refuse, before any work, a batch whose blocks (all reserved up front) do not fit the
         device; the cache in use is counted as free since it is replaced."""
-        w = self.weights
-        spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, self.dtype, BLOCK_SIZE)
         needed = num_blocks * spec.bytes_per_block
         free = free_memory_bytes(self.device)
         if free is None:
