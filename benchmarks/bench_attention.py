@@ -7,7 +7,9 @@ sequence of the batch at the full context, physical blocks shuffled. Side by sid
 - FlashInfer's BatchDecodeWithPagedKVCacheWrapper, when `flashinfer` imports (skipped otherwise).
 
 GB/s counts the K/V bytes read (B * context * kv_heads * head_dim * 2 bytes * 2), compared with
-the measured device-to-device copy bandwidth (timing.copy_bandwidth_gbs).
+the measured device-to-device copy bandwidth (timing.copy_bandwidth_gbs). Every system's timed
+calls rotate among copies of the caches totalling > 4x the L2 ("cache copies"), so each call
+reads K/V from memory, as in a model step.
 
     python benchmarks/bench_attention.py [--out DIR] [--device cuda|cpu] [--small]
 --small runs small sizes (the default on the CPU), to smoke-test the script without a GPU.
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
-from timing import copy_bandwidth_gbs, median_time_us  # noqa: E402
+from timing import copies_past_l2, copy_bandwidth_gbs, median_time_us, rotating  # noqa: E402
 
 from pagedkv import ops  # noqa: E402
 
@@ -65,13 +67,15 @@ class FlashInferDecode:
             return
         self.caches, self.q = (k_cache, v_cache), q
 
-    def __call__(self):
-        return self.wrapper.run(self.q, self.caches)
+    def __call__(self, caches=None):
+        return self.wrapper.run(self.q, caches or self.caches)
 
 
-def time_us(fn, device) -> float:
+def time_us(calls, device) -> float:
+    """Median microseconds of one call, the calls (one per copy of the inputs) taken in turn."""
+    fn, per_graph = rotating(calls)
     try:
-        return median_time_us(fn, device)
+        return median_time_us(fn, device, calls_per_graph=per_graph)
     except RuntimeError:  # not capturable in a CUDA graph: time plain launches instead
         torch.cuda.synchronize()
         return median_time_us(fn, device, graph=False)
@@ -81,47 +85,51 @@ def bench_point(batch: int, context: int, device: str) -> dict:
     max_blocks = context // BLOCK_SIZE
     num_blocks = batch * max_blocks
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, dtype=DTYPE, device=device)
-    v_cache = torch.randn(shape, dtype=DTYPE, device=device)
+    kv_bytes = 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    # Copies of the caches to rotate among: a 1x8192 cache (34 MB) fits the H100's 50 MB L2, and
+    # timing repeats over one copy would measure the L2, not the memory a model step reads from.
+    copies = copies_past_l2(kv_bytes, device)
+    caches = [(torch.randn(shape, dtype=DTYPE, device=device), torch.randn(shape, dtype=DTYPE, device=device))
+              for _ in range(copies)]
     table = torch.randperm(num_blocks, device=device).view(batch, max_blocks).to(torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     scale = HEAD_DIM**-0.5
     out = torch.empty_like(q)
-    workspace = ops.paged_decode_workspace(q, k_cache, table)
+    workspace = ops.paged_decode_workspace(q, caches[0][0], table)
     table_long = table.long()
 
-    def pagedkv():
+    def pagedkv(k_cache, v_cache):
         ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, out=out, workspace=workspace)
 
     def gather(cache):  # [B, Hkv, context, D], as HF's paged path assembles K/V before SDPA
         return cache[table_long].view(batch, max_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
 
-    def gather_sdpa():
+    def gather_sdpa(k_cache, v_cache):
         return F.scaled_dot_product_attention(q.unsqueeze(2), gather(k_cache), gather(v_cache),
                                               scale=scale, enable_gqa=True)
 
-    k_dense, v_dense = gather(k_cache).contiguous(), gather(v_cache).contiguous()
+    dense = [(gather(k).contiguous(), gather(v).contiguous()) for k, v in caches]
 
-    def dense_sdpa():
+    def dense_sdpa(k_dense, v_dense):
         return F.scaled_dot_product_attention(q.unsqueeze(2), k_dense, v_dense, scale=scale, enable_gqa=True)
 
-    row = {"point": f"{batch}x{context}", "splits": ops.paged_decode_num_splits(q, k_cache, table)}
-    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
-    pagedkv()
-    expected = dense_sdpa().squeeze(2)
+    row = {"point": f"{batch}x{context}", "splits": ops.paged_decode_num_splits(q, caches[0][0], table),
+           "copies": copies}
+    pagedkv(*caches[0])
+    expected = dense_sdpa(*dense[0]).squeeze(2)
     row["max_diff"] = (out.float() - expected.float()).abs().max().item()
-    row["pagedkv_us"] = time_us(pagedkv, device)
-    row["gather_us"] = time_us(gather_sdpa, device)
-    row["dense_us"] = time_us(dense_sdpa, device)
+    row["pagedkv_us"] = time_us([lambda c=c: pagedkv(*c) for c in caches], device)
+    row["gather_us"] = time_us([lambda c=c: gather_sdpa(*c) for c in caches], device)
+    row["dense_us"] = time_us([lambda d=d: dense_sdpa(*d) for d in dense], device)
     row["flashinfer_us"] = None
     if device == "cuda":
-        flashinfer = FlashInferDecode(k_cache, v_cache, table, context, q)
+        flashinfer = FlashInferDecode(*caches[0], table, context, q)
         if flashinfer.reason:
             row["flashinfer_note"] = flashinfer.reason
         else:
             fi_diff = (flashinfer().float() - expected.float()).abs().max().item()
-            row["flashinfer_us"] = time_us(flashinfer, device)
+            row["flashinfer_us"] = time_us([lambda c=c: flashinfer(c) for c in caches], device)
             row["flashinfer_note"] = f"FlashInfer max abs diff vs dense SDPA {fi_diff:.3g}"
     for name in ("pagedkv", "gather", "dense", "flashinfer"):
         us = row[f"{name}_us"]
@@ -152,10 +160,10 @@ def main() -> None:
     def gbs(v):
         return v if v is not None else "n/a"
 
-    header = ["batch x context", "splits", "pagedkv us", "pagedkv GB/s", "% of copy BW",
+    header = ["batch x context", "splits", "cache copies", "pagedkv us", "pagedkv GB/s", "% of copy BW",
               "gather+SDPA us", "gather+SDPA GB/s", "dense SDPA GB/s", "FlashInfer GB/s",
               "speed-up vs gather+SDPA", "max abs diff vs SDPA"]
-    table_rows = [[r["point"], r["splits"], r["pagedkv_us"], r["pagedkv_gbs"], 100 * r["pagedkv_gbs"] / copy_gbs,
+    table_rows = [[r["point"], r["splits"], r["copies"], r["pagedkv_us"], r["pagedkv_gbs"], 100 * r["pagedkv_gbs"] / copy_gbs,
                    r["gather_us"], r["gather_gbs"], r["dense_gbs"], gbs(r["flashinfer_gbs"]),
                    r["gather_us"] / r["pagedkv_us"], r["max_diff"]] for r in rows]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

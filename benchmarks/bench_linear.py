@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
-from timing import copy_bandwidth_gbs, median_time_us  # noqa: E402
+from timing import copies_past_l2, copy_bandwidth_gbs, median_time_us, rotating  # noqa: E402
 
 from pagedkv import ops  # noqa: E402
 
@@ -39,21 +39,17 @@ def main() -> None:
         sys.exit("bench_linear.py needs a CUDA GPU (it measures memory bandwidth)")
     device, dtype = "cuda", torch.bfloat16
     copy_gbs = copy_bandwidth_gbs(device)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows_out, totals = [], {}
     for (name, (n, k, with_bias)), m in itertools.product(SHAPES.items(), ROWS):
         nbytes = n * k * 2
-        copies = max(1, -(-4 * l2 // nbytes))
-        weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
+        weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies_past_l2(nbytes, device))]
         bias = torch.randn(n, device=device, dtype=dtype) if with_bias else None
         x = torch.randn(m, k, device=device, dtype=dtype)
         out = torch.empty(m, n, device=device, dtype=dtype)
-        turn = itertools.cycle(range(copies))
-        # Each timed call reads the next copy: calls_per_graph is a multiple of the copy count.
-        calls = copies * max(1, 20 // copies)
-        hf_us = median_time_us(lambda: F.linear(x, weights[next(turn)], bias), device, calls_per_graph=calls)
-        ours_us = median_time_us(lambda: ops.linear(x, weights[next(turn)], bias, out=out), device,
-                                 calls_per_graph=calls)
+        hf_call, calls = rotating([lambda w=w: F.linear(x, w, bias) for w in weights])
+        ours_call, _ = rotating([lambda w=w: ops.linear(x, w, bias, out=out) for w in weights])
+        hf_us = median_time_us(hf_call, device, calls_per_graph=calls)
+        ours_us = median_time_us(ours_call, device, calls_per_graph=calls)
         hf_gbs, ours_gbs = nbytes / hf_us / 1e3, nbytes / ours_us / 1e3
         per_step = 1 if name == "lm_head" else LAYERS
         totals.setdefault(m, [0.0, 0.0])

@@ -3,9 +3,10 @@ count), warm-up first, median of many repeats; on the CPU, perf_counter medians.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -57,3 +58,21 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     us = median_time_us(lambda: dst.copy_(src), device, repeats=20, graph=False)
     return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def copies_past_l2(nbytes: int, device: str) -> int:
+    """How many copies of an input of nbytes to rotate among so that together they are > 4x the
+    L2 cache: a call then reads its input from memory, as it would inside a model step (where
+    the other layers' weights evict it), not from the L2 the previous repeat filled."""
+    if device == "cpu":
+        return 1
+    l2 = torch.cuda.get_device_properties(torch.device(device)).L2_cache_size
+    return max(1, -(-4 * l2 // nbytes))
+
+
+def rotating(calls: Sequence[Callable[[], object]]) -> tuple[Callable[[], object], int]:
+    """One callable that runs calls[0], calls[1], ... in turn (each reading its own copy of the
+    inputs), and a calls_per_graph for median_time_us that is a multiple of len(calls), so every
+    timed replay reads every copy equally often."""
+    turn = itertools.cycle(calls)
+    return (lambda: next(turn)()), len(calls) * max(1, 20 // len(calls))

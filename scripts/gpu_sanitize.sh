@@ -51,6 +51,9 @@ case "$TOOL" in
   *) echo "gpu_sanitize.sh: unknown tool '$TOOL' (memcheck, racecheck, both)" >&2; exit 2 ;;
 esac
 FILES=$(files_of "$GROUP") || exit 2
+# In every pytest command line of this run (as its --basetemp), so that the stragglers stopped
+# below are this run's own, not those of another gpu_sanitize.sh running beside it.
+TAG=/tmp/pagedkv-sanitize-$$
 
 # One sanitizer process over one shard of the selected tests; prints its summary line.
 run_one() {  # tool shard log
@@ -60,7 +63,8 @@ run_one() {  # tool shard log
   # shellcheck disable=SC2086
   PAGEDKV_TEST_SHARD=$shard PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$TIMEOUT" \
     "$SANITIZER" --tool "$tool" --error-exitcode 1 --print-limit 20 \
-    "$PY" -m pytest -m cuda -q -p no:cacheprovider $FILES -k "$(filter_of "$tool")" "${@:4}" > "$log" 2>&1
+    "$PY" -m pytest -m cuda -q -p no:cacheprovider --basetemp "$TAG/$tool-${shard%/*}" $FILES \
+    -k "$(filter_of "$tool")" "${@:4}" > "$log" 2>&1
   local rc=$?
   local note=""
   [ "$rc" = 124 ] && note=" TIMED OUT after ${TIMEOUT} s"
@@ -81,7 +85,7 @@ done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 # timeout stops the sanitizer, not always the pytest under it, which would keep GPU memory.
-pkill -f "pytest -m cuda -q -p no:cacheprovider" 2>/dev/null
+pkill -f -- "--basetemp $TAG/" 2>/dev/null
 sort -o "$RESULTS/sanitize_summary.txt" "$RESULTS/sanitize_summary.txt"
 { echo "kernels named in race reports (count, kernel):"
   cat "$RESULTS"/sanitize_racecheck_*.log 2>/dev/null | grep -o "access at .*" |

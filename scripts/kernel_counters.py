@@ -14,13 +14,17 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from pagedkv import ops
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from timing import copies_past_l2, median_time_us, rotating  # noqa: E402
+
+from pagedkv import ops  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 3584, 18944  # W1 (Qwen2.5-7B)
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -73,37 +77,22 @@ def counters() -> None:
     print("profiled, in order:", "; ".join(name for name, _ in todo))
 
 
-def graph_us(fn, calls: int = 20, replays: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def sweep() -> None:
     print("| context | num_splits | us | GB/s of K/V |")
     print("|---|---|---|---|")
     for context in (1024, 8192, 32768):
-        q, k_cache, v_cache, table, lens = attention_inputs(1, context)
+        kv_bytes = 2 * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+        # Copies rotated as in bench_attention: a cache smaller than the L2 would be timed from it.
+        sets = [attention_inputs(1, context) for _ in range(copies_past_l2(kv_bytes, "cuda"))]
+        q, k_cache, _, table, _ = sets[0]
         auto = ops.paged_decode_num_splits(q, k_cache, table)
-        kv_bytes = 2 * context * NUM_KV_HEADS * HEAD_DIM * 2
         for splits in sorted({auto, 8, 16, 32, 64, 96, 128, 192, 256, 384} - {0}):
             if splits > context // BLOCK_SIZE:
                 continue
             workspace = ops.paged_decode_workspace(q, k_cache, table, splits)
-            us = graph_us(lambda: ops.paged_decode_attention(
-                q, k_cache, v_cache, table, lens, HEAD_DIM ** -0.5, workspace=workspace, num_splits=splits))
+            fn, per_graph = rotating([lambda s=s: ops.paged_decode_attention(
+                *s[:5], HEAD_DIM ** -0.5, workspace=workspace, num_splits=splits) for s in sets])
+            us = median_time_us(fn, "cuda", calls_per_graph=per_graph)
             mark = " (auto)" if splits == auto else ""
             print(f"| {context} | {splits}{mark} | {us:.1f} | {kv_bytes / us / 1e3:.0f} |", flush=True)
 

@@ -362,27 +362,55 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   __syncthreads();
   if (!s_last) return;
   __threadfence();
+  // The splits' (max, sum) and partials were written by other CTAs: read them through L2
+  // (__ldcg), never a stale L1 line. Every read below is independent of the others, so they are
+  // issued side by side: a loop that waited on one L2 read per split cost ~0.15 us per split
+  // (measured over num_splits at batch 1 on an H100), ~7 us of a 1x8192 call at 47 splits.
+  // First per head, one warp: the max over the splits and the softmax sum, lanes striding over
+  // the splits with an online (max, sum) each, then merged across the warp by shuffles.
+  __shared__ float s_merged_max[G];
+  __shared__ float s_merged_inv_sum[G];
+  for (int h = warp; h < heads; h += kWarps) {  // warp-uniform: all lanes reach the shuffles
+    const int64_t row = row0 + h * a.num_splits;
+    float max_all = kNegBig, sum = 0.f;
+    for (int sp = lane; sp < active; sp += 32) {
+      const float2 st = __ldcg(&stats[row + sp]);
+      const float new_max = fmaxf(max_all, st.x);
+      sum = sum * exp2f(max_all - new_max) + st.y * exp2f(st.x - new_max);
+      max_all = new_max;
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, max_all, offset);
+      const float l_other = __shfl_xor_sync(0xffffffffu, sum, offset);
+      const float new_max = fmaxf(max_all, m_other);
+      sum = sum * exp2f(max_all - new_max) + l_other * exp2f(m_other - new_max);
+      max_all = new_max;
+    }
+    if (lane == 0) {
+      s_merged_max[h] = max_all;
+      s_merged_inv_sum[h] = 1.f / sum;  // sum >= 1: the split holding the max adds >= 1
+    }
+  }
+  __syncthreads();
+  // Then each thread: 4 outputs of one head, summed over the splits, 8 splits' reads in flight.
   for (int i = threadIdx.x; i < heads * (D / 4); i += kThreads) {
     const int h = i / (D / 4);
     const int d = (i % (D / 4)) * 4;
     const int64_t row = row0 + h * a.num_splits;
-    // Other CTAs wrote these: read through L2 (__ldcg), never a stale L1 line.
-    float max_all = kNegBig;
-    for (int sp = 0; sp < active; ++sp) max_all = fmaxf(max_all, __ldcg(&stats[row + sp]).x);
-    float sum = 0.f;
+    const float max_all = s_merged_max[h];
     float o[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
+#pragma unroll 8
     for (int sp = 0; sp < active; ++sp) {
       const float2 st = __ldcg(&stats[row + sp]);
-      const float weight = exp2f(st.x - max_all) * st.y;
-      sum += weight;
       const float4 x = __ldcg(reinterpret_cast<const float4*>(partials + (row + sp) * D + d));
+      const float weight = exp2f(st.x - max_all) * st.y;
       o[0] = fmaf(weight, x.x, o[0]);
       o[1] = fmaf(weight, x.y, o[1]);
       o[2] = fmaf(weight, x.z, o[2]);
       o[3] = fmaf(weight, x.w, o[3]);
     }
-    const float inv = 1.f / sum;
+    const float inv = s_merged_inv_sum[h];
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] *= inv;
     store4(out + h * a.out_stride_h + d, o);
