@@ -4,9 +4,10 @@
             (`ncu --profile-from-start off`): the GEMV at 1 row (CUDA cores) against 8 rows
             (tensor cores) on W1's down and gate_up shapes (issue 5: 8 rows are ~7% slower per
             byte of weight), and paged decode attention against dense SDPA at 1 x 8192 (issue 4:
-            0.68 of dense SDPA's GB/s).
-  sweep     paged decode attention's time at batch 1 over num_splits, by CUDA-graph replay: is the
-            automatic split count the best one at small batch?
+            0.89 of dense SDPA's GB/s with the L2 rotated out).
+  sweep     paged decode attention's time over num_splits at a few batch x context points, by
+            CUDA-graph replay of calls rotating among cache copies past the L2: is the automatic
+            split count the best one?
 
     python scripts/kernel_counters.py counters|sweep
 """
@@ -77,24 +78,32 @@ def counters() -> None:
     print("profiled, in order:", "; ".join(name for name, _ in todo))
 
 
+# (batch, context) points of the split sweep: batch 1 (W1's case), and batches whose automatic
+# split counts are small (W3's larger points) or in between.
+SWEEP_POINTS = [(1, 1024), (1, 8192), (1, 32768), (4, 8192), (16, 4096)]
+
+
 def sweep() -> None:
-    print("| context | num_splits | us | GB/s of K/V |")
+    print("| batch x context | num_splits | us | GB/s of K/V |")
     print("|---|---|---|---|")
-    for context in (1024, 8192, 32768):
-        kv_bytes = 2 * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    for batch, context in SWEEP_POINTS:
+        kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
         # Copies rotated as in bench_attention: a cache smaller than the L2 would be timed from it.
-        sets = [attention_inputs(1, context) for _ in range(copies_past_l2(kv_bytes, "cuda"))]
+        sets = [attention_inputs(batch, context) for _ in range(copies_past_l2(kv_bytes, "cuda"))]
         q, k_cache, _, table, _ = sets[0]
         auto = ops.paged_decode_num_splits(q, k_cache, table)
-        for splits in sorted({auto, 8, 16, 32, 64, 96, 128, 192, 256, 384} - {0}):
-            if splits > context // BLOCK_SIZE:
+        candidates = {1, 2, 3, 4, 6, 8, 16, 32, 48, 64, 96, 128, 256, auto, max(1, auto // 2), 2 * auto}
+        for splits in sorted(candidates):
+            if splits > context // BLOCK_SIZE or splits > max(8, 4 * auto):
                 continue
             workspace = ops.paged_decode_workspace(q, k_cache, table, splits)
             fn, per_graph = rotating([lambda s=s: ops.paged_decode_attention(
                 *s[:5], HEAD_DIM ** -0.5, workspace=workspace, num_splits=splits) for s in sets])
             us = median_time_us(fn, "cuda", calls_per_graph=per_graph)
             mark = " (auto)" if splits == auto else ""
-            print(f"| {context} | {splits}{mark} | {us:.1f} | {kv_bytes / us / 1e3:.0f} |", flush=True)
+            print(f"| {batch}x{context} | {splits}{mark} | {us:.1f} | {kv_bytes / us / 1e3:.0f} |", flush=True)
+        del sets
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
