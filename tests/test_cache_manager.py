@@ -10,6 +10,7 @@ from transformers import LlamaConfig, Qwen2Config
 import pagedkv
 from conftest import DEVICES
 from pagedkv import CacheFull, KVCache, KVCacheSpec
+from pagedkv.cache_spec import free_memory_bytes, num_blocks_for
 
 BLOCK_SIZES = [1, 4, 16]
 
@@ -68,11 +69,22 @@ def test_sizing_errors_say_what_is_allowed(kwargs, message):
 
 
 @pytest.mark.cuda
-def test_memory_fraction_of_free_cuda_memory():
+def test_memory_fraction_of_available_cuda_memory():
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64)
-    free_bytes, _ = torch.cuda.mem_get_info()
+    available = free_memory_bytes(torch.device("cuda"))
     cache = KVCache(2, 2, 64, memory_fraction=0.01, device="cuda")
-    assert cache.num_blocks == int(free_bytes * 0.01) // spec.bytes_per_block
+    assert cache.num_blocks == int(available * 0.01) // spec.bytes_per_block
+
+
+def test_memory_fraction_counts_memory_torch_holds_unused(monkeypatch):
+    # No GPU needed: the sizing reads only these three numbers. 1 GiB free on the device, and
+    # torch's allocator holds 3 GiB of which 1 GiB is in use: 3 GiB are available to a cache.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64)
+    blocks = num_blocks_for(spec, torch.device("cuda"), memory_fraction=0.5)
+    assert blocks == (3 << 30) // 2 // spec.bytes_per_block
 
 
 def test_block_size_must_be_a_power_of_two():

@@ -68,7 +68,8 @@ def num_blocks_for(
     memory_fraction: float | None = None,
 ) -> int:
     """The cache size from exactly one of: a block count, a byte budget, or a fraction of the
-    device memory free now (CUDA only: ``torch.cuda.mem_get_info``)."""
+    CUDA memory a new cache could take now (free_memory_bytes: free device memory plus what
+    torch's caching allocator holds unused, as the runner's memory check counts it)."""
     given = [name for name, v in [("num_blocks", num_blocks), ("memory_bytes", memory_bytes),
                                   ("memory_fraction", memory_fraction)] if v is not None]
     if len(given) != 1:
@@ -86,8 +87,7 @@ def num_blocks_for(
             )
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"pagedkv: memory_fraction must be in (0, 1], got {memory_fraction}")
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        memory_bytes = int(free_bytes * memory_fraction)
+        memory_bytes = int(free_memory_bytes(device) * memory_fraction)
     blocks = memory_bytes // spec.bytes_per_block
     if blocks < 1:
         raise ValueError(
