@@ -56,8 +56,8 @@ class LLM:
     step (longer prompts are chunked). The KV cache is sized by exactly one of
     ``kv_cache_memory`` (bytes if an int, else a fraction in (0, 1] of the available CUDA memory:
     free, plus what torch's allocator holds unused; default 0.9 on CUDA, 256 MiB on CPU) or
-    ``num_kv_blocks``. max_model_len: longest sequence,
-    prompt + output (default: the model's limit, at most the cache's capacity).
+    ``num_kv_blocks``. max_model_len: longest sequence, prompt + output (default: the model's
+    limit, at most the cache's capacity).
     use_cuda_graphs: replay decode-only steps as CUDA graphs, one per batch bucket (default on
     for CUDA models).
     """
