@@ -215,10 +215,8 @@ class LLM:
             token_ids.append(token)
             request = seq.request
             if len(token_ids) >= request.max_len or token in request.stop_ids:
-                reason = self._finish_reason(seq, token)
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                    ended.append(request)
+                self.scheduler.finish(seq, self._finish_reason(seq, token))
+                ended.append(request)
         self.stats.num_generated_tokens += len(samplers)
         return self._partial_outputs(samplers, ended, now) if partial else self._finished_outputs(ended, now)
 
@@ -260,11 +258,12 @@ class LLM:
         del self._requests[request.request_id]
         return self._output(request, True)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+    @staticmethod
+    def _finish_reason(seq: Sequence, token: int) -> str | None:
+        request = seq.request
+        if token in request.stop_ids:
             return "stop"
-        if seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if len(seq.token_ids) >= request.max_len:
             return "length"
         return None
 

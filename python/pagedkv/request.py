@@ -33,10 +33,9 @@ class Request:
     metrics: RequestMetrics
     sequences: list["Sequence"] = dataclasses.field(default_factory=list)  # by sample index
     num_cached_prompt_tokens: int = 0
-    # What the engine tests each new token against before its exact finish rule (the rule's
-    # inputs, folded once): a sample may end only on one of stop_ids (stop ids, and EOS unless
-    # ignore_eos) or at max_len tokens (prompt + max_tokens, at most max_model_len). The default
-    # 0 sends every token to the exact rule.
+    # The finish rule's inputs, folded once by the engine: a sample ends on one of stop_ids
+    # (stop ids, and EOS unless ignore_eos) or at max_len tokens (prompt + max_tokens, at most
+    # max_model_len).
     stop_ids: frozenset[int] = frozenset()
     max_len: int = 0
 
