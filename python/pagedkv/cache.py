@@ -31,11 +31,12 @@ class KVCache:
     bookkeeping delegated to ``pagedkv._C.CacheManager``.
 
     Size it with exactly one of ``num_blocks=``, ``memory_bytes=`` or ``memory_fraction=`` (of the
-    CUDA memory available now: free, plus what torch's allocator holds unused). ``max_seq_len`` bounds one sequence (default: the whole cache); it also
-    sets the width of the block-table rows of build_metadata, ``ceil(max_seq_len / block_size)``,
-    so pass the model's limit for a large cache. ``max_batch_size`` and ``max_step_tokens`` bound
-    one step's metadata (rows, and new tokens including padding; default max(max_seq_len,
-    max_batch_size) so a whole prompt fits one step); its buffers are made at the first build.
+    CUDA memory available now: free, plus what torch's allocator holds unused). ``max_seq_len``
+    bounds one sequence (default: the whole cache); it also sets the width of the block-table
+    rows of build_metadata, ``ceil(max_seq_len / block_size)``, so pass the model's limit for a
+    large cache. ``max_batch_size`` and ``max_step_tokens`` bound one step's metadata (rows, and
+    new tokens including padding; default max(max_seq_len, max_batch_size) so a whole prompt fits
+    one step); its buffers are made at the first build.
 
     Errors: ``CacheFull`` when blocks run out (nothing changed); ``KeyError`` for a sequence id
     that is not in the cache (unknown, or already freed); ``ValueError`` for a call that can
