@@ -12,8 +12,8 @@
 
 namespace pagedkv::kernels {
 
-struct PagedDecodeArgs : PagedAttentionArgs {  // rows = sequences; context_lens 0: a padding
-                                                // row, written as zeros
+// Rows are sequences; a context_lens of 0 marks a padding row, written as zeros.
+struct PagedDecodeArgs : PagedAttentionArgs {
   float* workspace;  // paged_decode_workspace_floats(...) floats; unused if num_splits == 1
   int num_splits;    // >= 1: thread blocks that share one (sequence, kv head)
 };
