@@ -11,7 +11,7 @@ inline bool is_supported_head_dim(int64_t d) { return d == 64 || d == 128 || d =
 
 // The contract both paged attention ops share. out, q: [rows, Hq, D] (head_dim contiguous; rows
 // are sequences for decode, tokens for prefill, named by q_rows in messages); k_cache, v_cache:
-// [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] int32 with B = batch when
+// [num_blocks, block_size, Hkv, D], head_dim contiguous, same strides; block_tables: [B, max_blocks] int32 with B = batch when
 // batch >= 0 (decode: one row per q row); context_lens: [B] int32.
 inline void check_paged_kv_args(const at::Tensor& out, const at::Tensor& q,
                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -47,8 +47,12 @@ inline void check_paged_kv_args(const at::Tensor& out, const at::Tensor& q,
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1,
               "pagedkv: q and out must have a contiguous last (head_dim) dimension, got strides ",
               q.strides(), " and ", out.strides());
-  check_contiguous(k_cache, "k_cache");
-  check_contiguous(v_cache, "v_cache");
+  // Any strides but head_dim's: a head-major store [num_blocks, Hkv, block_size, D] is passed as
+  // its transpose(1, 2) view. K and V share theirs, so one set of strides reaches the kernels.
+  TORCH_CHECK(k_cache.stride(3) == 1, "pagedkv: k_cache must have a contiguous last (head_dim) ",
+              "dimension, got strides ", k_cache.strides());
+  TORCH_CHECK(v_cache.strides() == k_cache.strides(), "pagedkv: v_cache has strides ",
+              v_cache.strides(), " but k_cache has ", k_cache.strides(), "; they must match");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt, "pagedkv: block_tables has dtype ",
               block_tables.scalar_type(), "; allowed: torch.int32");
   if (batch >= 0) {

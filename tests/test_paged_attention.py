@@ -84,6 +84,12 @@ def make_paged_cache(context_lens, num_kv_heads, head_dim, block_size, dtype, de
     return k_cache, v_cache, table.to(device), lens
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values [num_blocks, block_size, Hkv, D], stored head-major: a view of a
+    [num_blocks, Hkv, block_size, D] tensor (each kv head's block rows contiguous)."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def reference_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, dtype):
     """Walks each sequence's block table, gathers its K/V rows and runs softmax attention in
     `dtype` (softmax in fp32 at least, as HF's eager attention). Padding rows give zeros."""
@@ -170,6 +176,18 @@ def test_strided_q_and_out(device):
     out = torch.empty(2, num_q_heads + 3, head_dim, dtype=torch.bfloat16, device=device)[:, 1 : 1 + num_q_heads]
     assert not q.is_contiguous() and not out.is_contiguous()
     run_and_check(q, k_cache, v_cache, table, lens, out=out)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_major_cache_storage(device, num_splits):
+    """Caches stored [num_blocks, Hkv, block_size, D] and passed as their transpose(1, 2) view:
+    the op reads through the strides, split or not."""
+    k_cache, v_cache, table, lens = make_paged_cache([1, 16, 17, 700], 2, 128, 16, torch.bfloat16, device)
+    k_cache, v_cache = head_major(k_cache), head_major(v_cache)
+    assert not k_cache.is_contiguous()
+    q = torch.randn(4, 8, 128, dtype=torch.bfloat16, device=device)
+    run_and_check(q, k_cache, v_cache, table, lens, num_splits=num_splits)
 
 
 @pytest.mark.cuda
@@ -303,8 +321,10 @@ def test_bad_calls_name_the_argument(device):
         call(table=table.long())
     with pytest.raises(RuntimeError, match=r"context_lens must have shape \[batch\] = \[2\]"):
         call(lens=lens[:1])
-    with pytest.raises(RuntimeError, match=r"k_cache must be contiguous"):
-        call(k=k_cache.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match=r"k_cache must have a contiguous last \(head_dim\) dimension"):
+        call(k=k_cache.transpose(2, 3).contiguous().transpose(2, 3))
+    with pytest.raises(RuntimeError, match=r"v_cache has strides .* but k_cache has .*; they must match"):
+        call(v=head_major(v_cache))
     with pytest.raises(RuntimeError, match=r"workspace has dtype Half; allowed: torch.float32"):
         call(workspace=torch.empty(4, dtype=torch.float16, device=device))
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from conftest import DEVICES
 from pagedkv import ops
-from test_paged_attention import _device_params, shuffled_table
+from test_paged_attention import _device_params, head_major, shuffled_table
 from tolerance import assert_close_to_baseline
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -159,6 +159,14 @@ def test_fresh_prompts_equal_causal_sdpa(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_head_major_cache_storage(device):
+    """Caches stored [num_blocks, Hkv, block_size, D], passed as their transpose(1, 2) view."""
+    batch = make_batch([(30, 30), (5, 100), (1, 17)], 8, 2, 128, 16, torch.bfloat16, device)
+    batch["k_cache"], batch["v_cache"] = head_major(batch["k_cache"]), head_major(batch["v_cache"])
+    run_and_check(batch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_strided_q_and_out_and_loose_max_query_len(device):
     """q as a view into a fused QKV projection output, out as a view into a wider buffer, and a
     max_query_len above the longest sequence (an upper bound is enough)."""
@@ -267,6 +275,8 @@ def test_bad_calls_name_the_argument(device):
         call(max_query_len=-1)
     with pytest.raises(RuntimeError, match=r"q and out must have a contiguous last"):
         call(q=q.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(RuntimeError, match=r"v_cache has strides .* but k_cache has .*; they must match"):
+        call(v=head_major(v_cache))
 
 
 def test_cpu_rejects_bad_metadata():

@@ -41,7 +41,8 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       const int* table = tables + b * max_blocks;
       auto cache_row = [&](const T* base, int64_t t) {
         const int64_t block = table[t / block_size];
-        return base + ((block * block_size + t % block_size) * num_kv_heads + kv_head) * head_dim;
+        return base + block * k_cache.stride(0) + t % block_size * k_cache.stride(1) +
+               kv_head * k_cache.stride(2);
       };
       for (int64_t h = 0; h < group; ++h) {
         const T* src = q_base + b * q.stride(0) + (kv_head * group + h) * q.stride(1);

@@ -65,7 +65,8 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       const int* table = tables + b * max_blocks;
       auto cache_row = [&](const T* base, int64_t t) {
         const int64_t block = table[t / block_size];
-        return base + ((block * block_size + t % block_size) * num_kv_heads + kv_head) * head_dim;
+        return base + block * k_cache.stride(0) + t % block_size * k_cache.stride(1) +
+               kv_head * k_cache.stride(2);
       };
       for (int64_t c = 0; c < q_len; c += kChunk) {
         const int64_t tokens = std::min(kChunk, q_len - c), rows = tokens * group;

@@ -9,7 +9,7 @@ namespace pagedkv {
 
 // Checks what the kernels' 16-byte vector loads need (rows of q and out, both caches) and fills
 // the shared fields from tensors the op's checks have already validated: out, q [rows, Hq, D],
-// caches [num_blocks, block_size, Hkv, D], block_tables [batch, max_blocks].
+// caches [num_blocks, block_size, Hkv, D] (head_dim contiguous), block_tables [batch, max_blocks].
 inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Tensor& out,
                                       const at::Tensor& q, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -20,8 +20,11 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
                   (out.stride(0) * elem) % 16 == 0 && (out.stride(1) * elem) % 16 == 0,
               "pagedkv: q and out rows must start at 16-byte boundaries (strides ", q.strides(),
               " and ", out.strides(), "); call .contiguous() first");
-  TORCH_CHECK(aligned16(k_cache.const_data_ptr()) && aligned16(v_cache.const_data_ptr()),
-              "pagedkv: k_cache and v_cache must start at 16-byte boundaries");
+  TORCH_CHECK(aligned16(k_cache.const_data_ptr()) && aligned16(v_cache.const_data_ptr()) &&
+                  (k_cache.stride(0) * elem) % 16 == 0 && (k_cache.stride(1) * elem) % 16 == 0 &&
+                  (k_cache.stride(2) * elem) % 16 == 0,
+              "pagedkv: k_cache and v_cache rows must start at 16-byte boundaries (strides ",
+              k_cache.strides(), ")");
   args.out = out.data_ptr();
   args.q = q.const_data_ptr();
   args.k_cache = k_cache.const_data_ptr();
@@ -32,6 +35,9 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
   args.out_stride_h = out.stride(1);
   args.q_stride_row = q.stride(0);
   args.q_stride_h = q.stride(1);
+  args.cache_stride_block = k_cache.stride(0);
+  args.cache_stride_token = k_cache.stride(1);
+  args.cache_stride_head = k_cache.stride(2);
   args.batch = static_cast<int>(block_tables.size(0));
   args.num_q_heads = static_cast<int>(q.size(1));
   args.num_kv_heads = static_cast<int>(k_cache.size(2));

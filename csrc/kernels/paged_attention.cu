@@ -170,9 +170,9 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
   const int* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
-  const int64_t token_stride = static_cast<int64_t>(a.num_kv_heads) * D;  // between block slots
-  const int64_t block_stride = token_stride << plan.block_shift;
-  const int64_t lane_offset = static_cast<int64_t>(kv_head) * D + sub * kVec;
+  const int64_t token_stride = a.cache_stride_token;  // between block slots
+  const int64_t block_stride = a.cache_stride_block;
+  const int64_t lane_offset = kv_head * a.cache_stride_head + sub * kVec;
   const int slot_mask = (1 << plan.block_shift) - 1;
   constexpr int kWarpStride = kWarps * Tl::kTokensPerIter;
 

@@ -105,7 +105,6 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, int key0,
                                              const Work& w) {
   constexpr int kVec = 16 / sizeof(T), kChunksPerRow = D / kVec, kLd = row_stride<T, D>();
   const int* table = a.block_tables + static_cast<int64_t>(w.b) * a.max_blocks;
-  const int64_t token_stride = static_cast<int64_t>(a.num_kv_heads) * D;
   const int slot_mask = (1 << plan.block_shift) - 1;
   for (int c = threadIdx.x; c < kKeys * kChunksPerRow; c += kThreads) {
     const int n = c / kChunksPerRow, col = (c % kChunksPerRow) * kVec;
@@ -114,8 +113,8 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, int key0,
     const T* src = cache;
     if (valid) {
       const int64_t block = __ldg(table + (key >> plan.block_shift));
-      src = cache + ((block << plan.block_shift) + (key & slot_mask)) * token_stride +
-            static_cast<int64_t>(w.kv_head) * D + col;
+      src = cache + block * a.cache_stride_block + (key & slot_mask) * a.cache_stride_token +
+            w.kv_head * a.cache_stride_head + col;
     }
     cp_async16(dst + n * kLd + col, src, valid);
   }
