@@ -4,7 +4,7 @@
 # two different machines). A: the tree as it is, built and benchmarked. B: the tree with the
 # patches applied (e.g. docs/experiments/*.patch), rebuilt (incremental: only what the patches
 # touch), its CUDA tests run (B must pass them), and the same benchmarks. Then the patches are
-# reversed, so a later call on the same machine starts from A again.
+# reversed and A rebuilt, so a later call on the same machine starts from A again.
 # Writes to $OUT (else ./results): ab.md (A's then B's summary), ab_files.tgz (both sides' logs
 # and plots). With .whl carried, gpu_check.sh installs the wheels (FlashInfer for W3's column).
 # Usage: scripts/gpu_ab.sh --bench NAME[,NAME...] PATCH... [-- PYTEST_ARGS]
@@ -33,6 +33,9 @@ echo "== B: with ${PATCHES[*]}"
 for p in "${PATCHES[@]}"; do git apply "$p"; done
 OUT=$SIDES/b scripts/gpu_check.sh --bench "$BENCH" -- "$@" > /dev/null 2>&1 || status=1
 for (( i = ${#PATCHES[@]} - 1; i >= 0; i-- )); do git apply -R "${PATCHES[$i]}"; done
+# Leave A's build installed: the machine stays warm between calls, and a later call (e.g.
+# gpu_sanitize.sh) must find the build of the tree it was sent.
+OUT=$SIDES/rebuild scripts/gpu_check.sh --no-tests --bench none > /dev/null 2>&1 || status=1
 
 {
   echo "# A/B on one machine: B = A + ${PATCHES[*]}"

@@ -71,6 +71,7 @@ if ! "$PY" -m pip install --no-build-isolation --no-deps --quiet --disable-pip-v
   exit 1
 fi
 info=$(cd /tmp && "$PY" -c "import pagedkv; print(pagedkv.build_info)")
+scripts/source_stamp.sh > build/gpu-source.stamp  # what the installed build is of: gpu_sanitize.sh
 echo "built in $(( $(date +%s) - start )) s: $info"
 { echo "# gpu_check $(date -u +%FT%TZ)"; echo; echo "- device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"; echo "- build: $info"; } > "$SUMMARY"
 

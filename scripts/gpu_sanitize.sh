@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine, after scripts/gpu_check.sh has built pagedkv: compute-sanitizer over the CUDA
+# On a GPU machine, after scripts/gpu_check.sh has built pagedkv from this tree (checked: it does
+# not build itself, since two of it run side by side): compute-sanitizer over the CUDA
 # tests of the kernels (not the model-level tests: HF models under the sanitizer take hours).
 #   memcheck   out-of-bounds and misaligned accesses, leaks, errors of the CUDA API
 #   racecheck  shared-memory hazards, bf16 tests only (the hazards do not depend on the dtype).
@@ -51,6 +52,11 @@ case "$TOOL" in
   *) echo "gpu_sanitize.sh: unknown tool '$TOOL' (memcheck, racecheck, both)" >&2; exit 2 ;;
 esac
 FILES=$(files_of "$GROUP") || exit 2
+if [ "$(cat build/gpu-source.stamp 2>/dev/null)" != "$(scripts/source_stamp.sh)" ]; then
+  echo "gpu_sanitize.sh: the installed pagedkv was not built from this tree's csrc (or not by" \
+    "scripts/gpu_check.sh); run scripts/gpu_check.sh --no-tests --bench none first" >&2
+  exit 2
+fi
 # In every pytest command line of this run (as its --basetemp), so that the stragglers stopped
 # below are this run's own, not those of another gpu_sanitize.sh running beside it.
 TAG=/tmp/pagedkv-sanitize-$$
