@@ -180,8 +180,8 @@ def main() -> None:
               "pagedkv head-major GB/s", "gather+SDPA us", "gather+SDPA GB/s", "dense SDPA GB/s",
               "FlashInfer GB/s", "speed-up vs gather+SDPA", "max abs diff vs SDPA"]
     table_rows = [[r["point"], r["splits"], r["copies"], r["pagedkv_us"], r["pagedkv_gbs"], 100 * r["pagedkv_gbs"] / copy_gbs,
-                   r["pagedkv_hm_gbs"], r["gather_us"], r["gather_gbs"], r["dense_gbs"], gbs(r["flashinfer_gbs"]),
-                   r["gather_us"] / r["pagedkv_us"],
+                   r["pagedkv_hm_gbs"], r["gather_us"], r["gather_gbs"], r["dense_gbs"],
+                   gbs(r["flashinfer_gbs"]), r["gather_us"] / r["pagedkv_us"],
                    max(r["max_diff"], r["max_diff_head_major"])] for r in rows]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     title = (f"W3 paged decode attention, {str(DTYPE).removeprefix('torch.')}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, "

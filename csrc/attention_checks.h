@@ -11,8 +11,9 @@ inline bool is_supported_head_dim(int64_t d) { return d == 64 || d == 128 || d =
 
 // The contract both paged attention ops share. out, q: [rows, Hq, D] (head_dim contiguous; rows
 // are sequences for decode, tokens for prefill, named by q_rows in messages); k_cache, v_cache:
-// [num_blocks, block_size, Hkv, D], head_dim contiguous, same strides; block_tables: [B, max_blocks] int32 with B = batch when
-// batch >= 0 (decode: one row per q row); context_lens: [B] int32.
+// [num_blocks, block_size, Hkv, D], head_dim contiguous, the same strides; block_tables:
+// [B, max_blocks] int32 with B = batch when batch >= 0 (decode: one row per q row);
+// context_lens: [B] int32.
 inline void check_paged_kv_args(const at::Tensor& out, const at::Tensor& q,
                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,

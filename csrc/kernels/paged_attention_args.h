@@ -10,14 +10,15 @@ namespace pagedkv::kernels {
 struct PagedAttentionArgs {
   void* out;                 // [rows, num_q_heads, head_dim], head_dim contiguous
   const void* q;             // [rows, num_q_heads, head_dim], head_dim contiguous
-  const void* k_cache;       // [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
+  const void* k_cache;       // [num_blocks, block_size, num_kv_heads, head_dim], strided below
   const void* v_cache;       // [num_blocks, block_size, num_kv_heads, head_dim], k_cache's strides
   const int* block_tables;   // [batch, max_blocks], contiguous
   const int* context_lens;   // [batch]: tokens of sequence b in the cache
   int64_t out_stride_row, out_stride_h;
   int64_t q_stride_row, q_stride_h;
-  // Both caches' strides (multiples of 16 bytes): token-major [num_blocks, block_size, Hkv, D]
-  // storage or head-major [num_blocks, Hkv, block_size, D] seen through transpose(1, 2).
+  // Both caches' strides (multiples of 16 bytes; head_dim's is 1): token-major storage
+  // [num_blocks, block_size, Hkv, D], or head-major [num_blocks, Hkv, block_size, D] seen
+  // through transpose(1, 2).
   int64_t cache_stride_block, cache_stride_token, cache_stride_head;
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
   float scale;

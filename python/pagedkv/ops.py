@@ -138,9 +138,10 @@ def paged_decode_attention(
     q: [B, Hq, D] (head_dim contiguous; other strides free), D in {64, 128, 256},
     float32/float16/bfloat16; k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype,
     head_dim contiguous and the same strides (e.g. a head-major [num_blocks, Hkv, block_size, D]
-    store passed as its transpose(1, 2) view), block_size a power of two in [8, 128], Hq a multiple of Hkv; block_tables:
-    [B, max_blocks] int32 (entries past a sequence's blocks are never read); context_lens: [B]
-    int32, at most max_blocks * block_size, 0 for a padding row (its output is zeros).
+    store passed as its transpose(1, 2) view), block_size a power of two in [8, 128], Hq a
+    multiple of Hkv; block_tables: [B, max_blocks] int32 (entries past a sequence's blocks are
+    never read); context_lens: [B] int32, at most max_blocks * block_size, 0 for a padding row
+    (its output is zeros).
     out: like q, or None to allocate one. workspace: from ``paged_decode_workspace`` (allocated
     here when None; pass it under CUDA graphs and torch.compile). num_splits: 0 = automatic.
     Returns out.
@@ -289,8 +290,9 @@ def paged_prefill_attention(
     q: [T, Hq, D] (head_dim contiguous; token/head strides free, e.g. a view of a fused QKV
     output), D in {64, 128, 256}, float32/float16/bfloat16; k_cache, v_cache:
     [num_blocks, block_size, Hkv, D], same dtype, head_dim contiguous and the same strides (as
-    paged_decode_attention), block_size a power of two in [8, 128]; block_tables: [B, max_blocks] int32; context_lens: [B] int32 (at most
-    max_blocks * block_size); query_start_loc: [B + 1] int32, non-decreasing.
+    paged_decode_attention), block_size a power of two in [8, 128]; block_tables:
+    [B, max_blocks] int32; context_lens: [B] int32 (at most max_blocks * block_size);
+    query_start_loc: [B + 1] int32, non-decreasing.
     max_query_len: host int >= every q_len_b; with T it bounds the CUDA grid without reading the
     device (the CPU raises if a sequence has more rows; on CUDA such rows may stay unwritten).
     out: like q, or None to allocate one. Returns out.
