@@ -146,7 +146,6 @@ def bench_point(batch: int, context: int, device: str) -> dict:
             fi_diff = (flashinfer().float() - expected.float()).abs().max().item()
             row["flashinfer_us"] = time_us([lambda c=c: flashinfer(c) for c in caches], device)
             row["flashinfer_note"] = f"FlashInfer max abs diff vs dense SDPA {fi_diff:.3g}"
-    del head_major_caches
     for name in ("pagedkv", "pagedkv_hm", "gather", "dense", "flashinfer"):
         us = row[f"{name}_us"]
         row[f"{name}_gbs"] = kv_bytes / (us * 1e-6) / 1e9 if us else None
