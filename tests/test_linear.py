@@ -16,8 +16,9 @@ ROWS = [1, 2, 3, 8, 9, 33]  # CUDA: 1-2 CUDA cores, 3-8 tensor cores, beyond cuB
 SHAPES = [(64, 64), (200, 1024), (4608, 3584), (129, 18944)]  # (n, k)
 MMA_DTYPES = [torch.float16, torch.bfloat16]
 MMA_ROWS = list(range(3, 9))
-# W1's qkv and o, and n not a multiple of the 16-row tile with k not a multiple of the 32-wide slice.
-MMA_SHAPES = [(4608, 3584), (3584, 3584), (37, 3592), (200, 1048)]
+# W1's qkv and o; n not a multiple of the 16-row tile with k not a multiple of the 32-wide slice;
+# k of 41 whole slices (2 pipelined steps of 16, 9 more, one partial) and k under one step.
+MMA_SHAPES = [(4608, 3584), (3584, 3584), (37, 3592), (200, 1048), (45, 1320), (24, 200)]
 
 
 def fp64_on_cpu(t):
@@ -138,7 +139,7 @@ def test_gate_up_silu(device, dtype, rows, i, k):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", MMA_DTYPES)
 @pytest.mark.parametrize("rows", MMA_ROWS)
-@pytest.mark.parametrize("i, k", [(18944, 3584), (37, 3592), (1000, 1048)])
+@pytest.mark.parametrize("i, k", [(18944, 3584), (37, 3592), (1000, 1048), (45, 1320)])
 def test_gate_up_silu_tensor_core_rows(dtype, rows, i, k):
     x = strided_rows(rows, k, dtype)
     gate_up = torch.randn(2 * i, k, dtype=dtype, device="cuda") / k**0.5
