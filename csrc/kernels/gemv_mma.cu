@@ -3,9 +3,11 @@
 // Weight streaming without shared memory: a dot product's k order is free, so each lane loads
 // 16 contiguous bytes of its two weight rows and the fragments are filled in load order; x's B
 // fragment uses the same k permutation, which makes it 16 contiguous bytes of one x row too.
-// A CTA owns 16 weight rows (16 gate + 16 up rows for silu); its kSplit warps share k
-// round-robin in 32-wide slices (so qkv/o, 224-288 tiles, still get ~900-1150 warps) and reduce
-// through shared memory at the end. x is read once per 16x32 weight tile, from L1.
+// A CTA owns 16 weight rows (16 gate + 16 up rows for silu); its kSplit warps share k (so qkv/o,
+// 224-288 tiles, still get ~900-1150 warps) and reduce through shared memory at the end. Each warp
+// takes kUnroll neighbouring 32-wide slices per step, so one warp's loads of a row cover whole
+// 128-byte lines (DRAM is read in full lines, not 64-byte halves from two warps).
+// x is read once per 16x32 weight tile, from L1.
 #include <cstdint>
 #include <type_traits>
 
@@ -99,16 +101,17 @@ __global__ void __launch_bounds__(kSplit * 32)
     for (int i = 0; i < 4; ++i) c[a][i] = 0.f;
 
   const int full = k / kSlice;  // whole slices; a partial one (8, 16 or 24 k) may follow
-  int sl = warp;
-  // Main loop, software-pipelined by hand: the loads of the next kUnroll slices are issued before
-  // the mmas of the current ones (ptxas otherwise sinks each load next to its mma). The last
-  // prefetch re-reads the current slices (an L2 hit) instead of branching.
-  if (sl + (kUnroll - 1) * kSplit < full) {
+  constexpr int kStep = kSplit * kUnroll;  // slices per CTA step; warp w takes [kUnroll w, kUnroll (w + 1))
+  const int steps = full / kStep;
+  // Main loop, software-pipelined by hand: the loads of the next step are issued before the mmas
+  // of the current one (ptxas otherwise sinks each load next to its mma). The last prefetch
+  // re-reads the current slices (an L2 hit) instead of branching.
+  if (steps > 0) {
     uint4 lo[kUnroll][kAcc], hi[kUnroll][kAcc], xv[kUnroll];
-    auto load = [&](int first) {
+    auto load = [&](int step) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int s = (first + u * kSplit) * kSlice;
+        const int s = (step * kStep + warp * kUnroll + u) * kSlice;
 #pragma unroll
         for (int a = 0; a < kAcc; ++a) {
           lo[u][a] = load_streaming(w_lo[a] + s);
@@ -117,8 +120,8 @@ __global__ void __launch_bounds__(kSplit * 32)
         xv[u] = load_x(s);
       }
     };
-    load(sl);
-    for (;;) {
+    load(0);
+    for (int step = 0;; ++step) {
       uint4 lo_c[kUnroll][kAcc], hi_c[kUnroll][kAcc], xv_c[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -129,17 +132,16 @@ __global__ void __launch_bounds__(kSplit * 32)
           hi_c[u][a] = hi[u][a];
         }
       }
-      const int next = sl + kUnroll * kSplit;
-      const bool more = next + (kUnroll - 1) * kSplit < full;
-      load(more ? next : sl);
+      const bool more = step + 1 < steps;
+      load(more ? step + 1 : step);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int a = 0; a < kAcc; ++a) mma_slice<T>(c[a], lo_c[u][a], hi_c[u][a], xv_c[u]);
-      sl = next;
       if (!more) break;
     }
   }
+  int sl = steps * kStep + warp;
   for (; sl * kSlice < k; sl += kSplit) {  // leftover slices, the last maybe partial
     const int s = sl * kSlice;
     const bool in = s + 8 * t < k;  // k % 8 == 0: a lane's 8 elements are all in or all out
