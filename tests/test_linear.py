@@ -115,6 +115,47 @@ def test_captured_in_cuda_graph(rows):
     assert_close_to_baseline(out, F.linear(x, weight), reference(x, weight, None))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_chained_products_read_finished_inputs(rows, in_graph):
+    """Each product reads the one before it, as in a decoder layer. A GEMV may be launched while
+    the kernel before it still drains (programmatic dependent launch) and must wait for it before
+    reading x: outputs are NaN until written, so an early read shows as NaN or a wrong product."""
+    k = 2048
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    weights = [torch.randn(k, k, dtype=torch.bfloat16, device="cuda") / k**0.5 for _ in range(6)]
+    gate_up = torch.randn(2 * k, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    outs = [torch.empty(rows, k, dtype=torch.bfloat16, device="cuda") for _ in range(len(weights) + 1)]
+
+    def chain():
+        h = x
+        for w, o in zip(weights, outs):
+            ops.linear(h, w, out=o)
+            h = o
+        ops.gate_up_silu(h, gate_up, out=outs[-1])
+
+    graph = None
+    if in_graph:
+        chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+    for o in outs:
+        o.fill_(float("nan"))
+    if graph is None:
+        chain()
+    else:
+        graph.replay()
+    inputs = [x, *outs[:-1]]
+    for i, w in enumerate(weights):
+        assert_close_to_baseline(outs[i], F.linear(inputs[i], w), reference(inputs[i], w, None),
+                                 name=f"product {i}")
+    h = outs[len(weights) - 1]
+    assert_close_to_baseline(outs[-1], reference_gate_up_silu(h, gate_up),
+                             reference_gate_up_silu(fp64_on_cpu(h), fp64_on_cpu(gate_up)), name="gate_up")
+
+
 def reference_gate_up_silu(x, gate_up):
     """HF's MLP first half in x's dtype: act_fn(gate_proj(x)) * up_proj(x)."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
