@@ -150,6 +150,20 @@ def test_different_offsets_or_seeds_differ(device):
     assert by_offset.unique().numel() > 20 and by_seed.unique().numel() > 20
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_logits_draw_as_their_float32_values(device, dtype):
+    """generate() and the engine pass bf16/fp16 logits without HF's fp32 conversion: the tokens
+    must be those of the converted logits, greedy and sampled."""
+    batch = 64
+    logits = (torch.randn(batch, 5000, device=device) * 3).to(dtype)
+    params = row_params(batch, device, temperature=0.8, top_k=40, top_p=0.9)
+    params["temperatures"][::4] = 0.0  # some greedy rows
+    params["seeds"] = torch.arange(batch, device=device) * 7919
+    assert torch.equal(ops.sample(logits, **params), ops.sample(logits.float(), **params))
+    assert torch.equal(ops.sample(logits), logits.float().argmax(-1))
+
+
 @pytest.mark.cuda
 def test_cpu_and_cuda_draw_the_same_tokens():
     batch = 256

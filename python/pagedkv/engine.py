@@ -351,9 +351,10 @@ class LLM:
         counter is the sample's number of generated tokens, so a token never depends on the batch
         slot or on preemption. repeat: the same sequences sampled in the step before."""
         params = self.sampling.tensors(seqs, self.stats.num_steps, repeat)
+        # No fp32 copy: ops.sample reads bf16/fp16 logits as their exact fp32 values.
         if params is None:
-            return ops.sample(logits.float())
-        return ops.sample(logits.float(), *params)
+            return ops.sample(logits)
+        return ops.sample(logits, *params)
 
     def _output(self, request: Request, finished: bool) -> RequestOutput:
         skip = request.params.skip_special_tokens

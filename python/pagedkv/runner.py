@@ -65,10 +65,16 @@ class _Sampler:
     def __call__(self, logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
         with record_function("sample"):
             s = self.settings
-            logits = logits.float()  # HF processes fp32 logits
-            if s.repetition_penalty != 1.0:
+            penalize = s.repetition_penalty != 1.0
+            suppress = s.min_new_tokens > 0 and len(s.eos_token_ids) > 0
+            # HF converts logits to fp32 for its processors. ops.sample reads bf16/fp16 logits as
+            # their exact fp32 values, so without a processor the conversion changes no token
+            # and is skipped (a kernel and a [B, V] fp32 copy per step).
+            if penalize or suppress:
+                logits = logits.float()
+            if penalize:
                 apply_repetition_penalty(logits, state.seen, s.repetition_penalty)
-            if s.min_new_tokens > 0 and len(s.eos_token_ids) > 0:
+            if suppress:
                 suppress_eos(logits, self.eos_ids, state.generated, s.min_new_tokens)
             ops.sample(logits, self.temperatures, self.top_k, self.top_p, self.seeds,
                        state.offsets, out=self.next_tokens)
