@@ -3,10 +3,12 @@ pagedkv in the same run, for batch 1 / 8 / 32: ms per decode step, tokens/s, % o
 (weight + KV bytes over measured copy bandwidth), kernel launches per step, speed-up over HF.
 
     python benchmarks/bench_generate.py [--out DIR] [--batches 1,8,32] [--hf-static] [--small]
+                                        [--pagedkv-only]
 
 Per-step time = (time of generate with 1 + N new tokens - time with 1) / N: prefill excluded.
 --hf-static adds HF's static cache (auto-compiled; slow to compile). --small uses a 2-layer
-model of the same widths (smoke test, also on CPU).
+model of the same widths (smoke test, also on CPU). --pagedkv-only leaves HF out (for A/B runs of
+pagedkv changes, scripts/gpu_ab.sh, whose A side has HF's rows; the speed-up column is empty).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--hf-static", action="store_true")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--pagedkv-only", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = args.device
@@ -94,11 +97,11 @@ def main() -> None:
     cfg = model.config
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
 
-    systems = {
-        "HF eager (DynamicCache, sdpa)": lambda ids, n: model.generate(ids, max_new_tokens=n, do_sample=False),
-        "pagedkv eager": lambda ids, n: pagedkv.generate(model, ids, max_new_tokens=n, do_sample=False,
-                                                         use_cuda_graphs=False),
-    }
+    hf_eager = "HF eager (DynamicCache, sdpa)"
+    systems = {} if args.pagedkv_only else {
+        hf_eager: lambda ids, n: model.generate(ids, max_new_tokens=n, do_sample=False)}
+    systems["pagedkv eager"] = lambda ids, n: pagedkv.generate(model, ids, max_new_tokens=n, do_sample=False,
+                                                               use_cuda_graphs=False)
     if device == "cuda":
         systems["pagedkv CUDA graphs"] = lambda ids, n: pagedkv.generate(model, ids, max_new_tokens=n,
                                                                          do_sample=False)
@@ -116,10 +119,10 @@ def main() -> None:
         hf_ms = None
         for name, gen in systems.items():
             ms = per_step_ms(gen, ids, device)
-            hf_ms = ms if hf_ms is None else hf_ms
+            hf_ms = ms if name == hf_eager else hf_ms
             launches = kernels_per_step(gen, ids, device)
             rows.append([batch, name, ms, batch * 1e3 / ms, f"{100 * roofline_ms / ms:.0f}%",
-                         launches, hf_ms / ms])
+                         launches, "" if hf_ms is None else hf_ms / ms])
             plot[name].append(ms)
             print(rows[-1], flush=True)
     header = ["batch", "system", "ms / decode step", "tokens/s", "% of roofline", "kernels / step",

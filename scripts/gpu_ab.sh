@@ -1,51 +1,67 @@
 #!/usr/bin/env bash
-# On a GPU machine: A/B of patches in one call, so both sides run on the same machine, clocks and
+# On a GPU machine: A/B of patches in one call, so every side runs on the same machine, clocks and
 # driver (a difference smaller than the run-to-run spread is noise; two separate calls can land on
-# two different machines). A: the tree as it is, built and benchmarked. B: the tree with the
-# patches applied (e.g. docs/experiments/*.patch), rebuilt (incremental: only what the patches
-# touch), its CUDA tests run (B must pass them), and the same benchmarks. Then the patches are
-# reversed and A rebuilt, so a later call on the same machine starts from A again.
-# Writes to $OUT (else ./results): ab.md (A's then B's summary), ab_files.tgz (both sides' logs
-# and plots). With .whl carried, gpu_check.sh installs the wheels (FlashInfer for W3's column).
-# Usage: scripts/gpu_ab.sh --bench NAME[,NAME...] PATCH... [-- PYTEST_ARGS]
+# two different machines). A: the tree as it is, built and benchmarked. Then each VARIANT: a patch,
+# or patches joined by "+" applied in that order (e.g. docs/experiments/*.patch), rebuilt
+# (incremental: only what the patches touch), its CUDA tests run (it must pass them), the same
+# benchmarks, and the patches reversed. A is rebuilt at the end, so a later call on the same
+# machine starts from A again. A is measured once for all variants: two variants fit a call where
+# two A/B calls would each pay for the machine's start and for A.
+# Writes to $OUT (else ./results): ab.md (A's summary, then each variant's), ab_files.tgz (every
+# side's logs and plots). With .whl carried, gpu_check.sh installs the wheels (FlashInfer for
+# W3's column). BENCH_<NAME>_ARGS pass through to the benchmarks (see gpu_check.sh).
+# Usage: scripts/gpu_ab.sh --bench NAME[,NAME...] VARIANT... [-- PYTEST_ARGS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-${RESULTS_DIR:-results}}
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
-usage="usage: gpu_ab.sh --bench NAME[,NAME...] PATCH... [-- PYTEST_ARGS]"
+usage="usage: gpu_ab.sh --bench NAME[,NAME...] VARIANT... [-- PYTEST_ARGS]; VARIANT = PATCH[+PATCH...]"
 [ "${1:-}" = "--bench" ] || { echo "$usage" >&2; exit 2; }
 BENCH=${2:?$usage}
 shift 2
-PATCHES=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do PATCHES+=("$1"); shift; done
+VARIANTS=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do VARIANTS+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-[ ${#PATCHES[@]} -gt 0 ] || { echo "$usage" >&2; exit 2; }
-for p in "${PATCHES[@]}"; do
-  git apply --check "$p" || { echo "gpu_ab.sh: $p does not apply to this tree" >&2; exit 2; }
+[ ${#VARIANTS[@]} -gt 0 ] || { echo "$usage" >&2; exit 2; }
+
+patches_of() { tr '+' ' ' <<< "$1"; }
+for v in "${VARIANTS[@]}"; do  # each variant must apply to the tree as a whole, before any runs
+  applied=()
+  for p in $(patches_of "$v"); do
+    if ! git apply --check "$p" || ! git apply "$p"; then
+      echo "gpu_ab.sh: $p does not apply (variant $v)" >&2
+      for (( i = ${#applied[@]} - 1; i >= 0; i-- )); do git apply -R "${applied[$i]}"; done
+      exit 2
+    fi
+    applied+=("$p")
+  done
+  for (( i = ${#applied[@]} - 1; i >= 0; i-- )); do git apply -R "${applied[$i]}"; done
 done
 
 SIDES=$(mktemp -d)
 status=0
+# ab.md grows after each side, so a call that runs out of time still returns the sides it ran.
+report() {  # TITLE SIDE_DIR
+  { echo; echo "# $1"; sed 's/^#/##/' "$2/summary.md" 2>/dev/null || echo "(no summary)"; } >> "$RESULTS/ab.md"
+  tar -czf "$RESULTS/ab_files.tgz" -C "$SIDES" .
+}
+echo "# A/B on one machine: A = the tree; B1..B${#VARIANTS[@]} = A + each variant" > "$RESULTS/ab.md"
 echo "== A: the tree as it is"
 OUT=$SIDES/a scripts/gpu_check.sh --no-tests --bench "$BENCH" > /dev/null 2>&1 || status=1
-echo "== B: with ${PATCHES[*]}"
-for p in "${PATCHES[@]}"; do git apply "$p"; done
-OUT=$SIDES/b scripts/gpu_check.sh --bench "$BENCH" -- "$@" > /dev/null 2>&1 || status=1
-for (( i = ${#PATCHES[@]} - 1; i >= 0; i-- )); do git apply -R "${PATCHES[$i]}"; done
+report "A" "$SIDES/a"
+n=0
+for v in "${VARIANTS[@]}"; do
+  n=$((n + 1))
+  echo "== B$n: $v"
+  read -r -a patches <<< "$(patches_of "$v")"
+  for p in "${patches[@]}"; do git apply "$p"; done
+  OUT=$SIDES/b$n scripts/gpu_check.sh --bench "$BENCH" -- "$@" > /dev/null 2>&1 || status=1
+  for (( i = ${#patches[@]} - 1; i >= 0; i-- )); do git apply -R "${patches[$i]}"; done
+  report "B$n = A + $v" "$SIDES/b$n"
+done
 # Leave A's build installed: the machine stays warm between calls, and a later call (e.g.
 # gpu_sanitize.sh) must find the build of the tree it was sent.
 OUT=$SIDES/rebuild scripts/gpu_check.sh --no-tests --bench none > /dev/null 2>&1 || status=1
-
-{
-  echo "# A/B on one machine: B = A + ${PATCHES[*]}"
-  echo
-  echo "# A"
-  sed 's/^#/##/' "$SIDES/a/summary.md"
-  echo
-  echo "# B"
-  sed 's/^#/##/' "$SIDES/b/summary.md"
-} > "$RESULTS/ab.md"
-tar -czf "$RESULTS/ab_files.tgz" -C "$SIDES" a b
 cat "$RESULTS/ab.md"
 exit $status

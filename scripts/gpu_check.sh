@@ -6,7 +6,8 @@
 #   gpu_check.log  everything printed (environment, build, tests, benchmarks)
 #   *.png          the benchmarks' plots
 # Usage: scripts/gpu_check.sh [--no-tests] [--bench all|none|NAME[,NAME...]] [-- PYTEST_ARGS]
-#   NAME is a benchmark file's stem without "bench_" (e.g. norm, attention).
+#   NAME is a benchmark file's stem without "bench_" (e.g. norm, attention). Extra arguments of
+#   one benchmark come from BENCH_<NAME>_ARGS, e.g. BENCH_GENERATE_ARGS="--batches 1,8".
 # With a .whl folder (scripts/device_wheels.sh, carried along) it installs those wheels first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,8 +91,10 @@ if [ "$BENCH" != none ]; then
   for script in benchmarks/bench_*.py; do
     name=$(basename "$script" .py); name=${name#bench_}
     if [ "$BENCH" != all ] && [[ ",$BENCH," != *",$name,"* ]]; then continue; fi
-    echo "== benchmark $name"
-    if "$PY" "$script" --out "$RESULTS"; then
+    args_var="BENCH_${name^^}_ARGS"
+    read -r -a extra <<< "${!args_var:-}"
+    echo "== benchmark $name ${extra[*]}"
+    if "$PY" "$script" --out "$RESULTS" "${extra[@]}"; then
       { echo; echo "## $name"; echo; cat "$RESULTS/bench_$name.md" 2>/dev/null; } >> "$SUMMARY"
       rm -f "$RESULTS/bench_$name.md"
     else
