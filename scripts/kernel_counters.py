@@ -3,8 +3,8 @@
   counters  one launch of each kernel below, between cudaProfilerStart/Stop, for Nsight Compute
             (`ncu --profile-from-start off`): the GEMV at 1 row (CUDA cores) against 8 rows
             (tensor cores) on W1's down and gate_up shapes (issue 5: 8 rows are ~7% slower per
-            byte of weight), and paged decode attention against dense SDPA at 1 x 8192 (issue 4:
-            0.89 of dense SDPA's GB/s with the L2 rotated out).
+            byte of weight), and paged decode attention against dense SDPA at 1 x 8192 and
+            16 x 4096 (issue 4: 0.89 and 0.92 of dense SDPA's GB/s with the L2 rotated out).
   sweep     paged decode attention's time over num_splits at a few batch x context points, by
             CUDA-graph replay of calls rotating among cache copies past the L2: is the automatic
             split count the best one?
@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import sys
 from collections.abc import Callable
@@ -28,6 +29,9 @@ from timing import copies_past_l2, median_time_us, rotating  # noqa: E402
 from pagedkv import ops  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 3584, 18944  # W1 (Qwen2.5-7B)
+# Paged decode vs dense SDPA: batch 1 (latency-bound, 0.89 of SDPA) and 16 x 4096 (bandwidth-
+# bound, 0.92: 2710 vs 2950 GB/s).
+ATTENTION_POINTS = [(1, 8192), (16, 4096)]
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 
@@ -52,14 +56,17 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         out.append((f"down {HIDDEN}x{INTERMEDIATE}, {rows} rows", lambda x=x_down: ops.linear(x, down)))
         out.append((f"gate_up {2 * INTERMEDIATE}x{HIDDEN}, {rows} rows",
                     lambda x=x_up: ops.gate_up_silu(x, gate_up)))
-    q, k_cache, v_cache, table, lens = attention_inputs(1, 8192)
-    workspace = ops.paged_decode_workspace(q, k_cache, table)
-    out.append(("paged decode 1x8192", lambda: ops.paged_decode_attention(
-        q, k_cache, v_cache, table, lens, HEAD_DIM ** -0.5, workspace=workspace)))
-    k = torch.randn(1, NUM_KV_HEADS, 8192, HEAD_DIM, dtype=DTYPE, device="cuda")
-    v = torch.randn_like(k)
-    q4 = q.view(1, NUM_Q_HEADS, 1, HEAD_DIM)
-    out.append(("dense SDPA 1x8192", lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)))
+    for batch, context in ATTENTION_POINTS:
+        q, k_cache, v_cache, table, lens = attention_inputs(batch, context)
+        workspace = ops.paged_decode_workspace(q, k_cache, table)
+        out.append((f"paged decode {batch}x{context}", functools.partial(
+            ops.paged_decode_attention, q, k_cache, v_cache, table, lens, HEAD_DIM ** -0.5,
+            workspace=workspace)))
+        k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=DTYPE, device="cuda")
+        v = torch.randn_like(k)
+        q4 = q.view(batch, NUM_Q_HEADS, 1, HEAD_DIM)
+        out.append((f"dense SDPA {batch}x{context}", functools.partial(
+            F.scaled_dot_product_attention, q4, k, v, enable_gqa=True)))
     return out
 
 
