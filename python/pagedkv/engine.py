@@ -351,7 +351,9 @@ class LLM:
         counter is the sample's number of generated tokens, so a token never depends on the batch
         slot or on preemption. repeat: the same sequences sampled in the step before."""
         params = self.sampling.tensors(seqs, self.stats.num_steps, repeat)
-        # No fp32 copy: ops.sample reads bf16/fp16 logits as their exact fp32 values.
+        # No fp32 copy: ops.sample reads bf16/fp16 logits as their exact fp32 values. With CUDA
+        # graphs, logits view the graph's output buffer; the sample runs on the same stream
+        # before the next replay overwrites it.
         if params is None:
             return ops.sample(logits)
         return ops.sample(logits, *params)
