@@ -8,7 +8,7 @@ import torch
 from pagedkv import KVCache, SamplingParams
 from pagedkv.outputs import RequestMetrics
 from pagedkv.request import Request, Sequence, Status
-from pagedkv.scheduler import Scheduler
+from pagedkv.scheduler import ScheduledRow, Scheduler
 
 BLOCK = 16
 
@@ -31,9 +31,14 @@ def seq(n_tokens, start=3):
     return s
 
 
+def all_rows(step):
+    """Every row of the step as ScheduledRow: decode rows first, then prefill chunks."""
+    return [ScheduledRow(s, 1) for s in step.decodes] + step.prefills
+
+
 def run(step, sampled_token=1):
     """What the engine does after a forward: advance, append a token to rows that sampled."""
-    for row in step.rows:
+    for row in all_rows(step):
         samples = row.samples
         row.seq.num_computed += row.num_new
         if samples:
@@ -41,7 +46,7 @@ def run(step, sampled_token=1):
 
 
 def rows(step):
-    return [(r.seq, r.num_new) for r in step.rows]
+    return [(r.seq, r.num_new) for r in all_rows(step)]
 
 
 def test_budget_chunks_a_long_prompt_and_decodes_go_first():
@@ -57,10 +62,10 @@ def test_budget_chunks_a_long_prompt_and_decodes_go_first():
     run(step)
     step = sched.schedule()
     assert rows(step) == [(a, 8), (b, 5)]  # a's last chunk samples; b admitted in the rest
-    assert step.rows[0].samples and step.rows[1].samples
+    assert all_rows(step)[0].samples and all_rows(step)[1].samples
     run(step)
     step = sched.schedule()
-    assert rows(step) == [(a, 1), (b, 1)] and step.num_decodes == 2
+    assert rows(step) == [(a, 1), (b, 1)] and len(step.decodes) == 2
     assert sched.cache.seq_len(a.seq_id) == 41
 
 
@@ -70,7 +75,7 @@ def test_max_num_seqs_limits_admission():
     for s in seqs:
         sched.add(s)
     step = sched.schedule()
-    assert [r.seq for r in step.rows] == seqs[:2]
+    assert [r.seq for r in all_rows(step)] == seqs[:2]
     assert list(sched.waiting) == seqs[2:]
 
 
@@ -95,7 +100,7 @@ def test_waiting_blocked_by_blocks_stays_fifo():
     sched.add(big)
     sched.add(small)
     step = sched.schedule()
-    assert len(step.rows) == 1  # big needs 3 blocks, 1 is left; small waits behind it
+    assert len(all_rows(step)) == 1  # big needs 3 blocks, 1 is left; small waits behind it
     assert list(sched.waiting) == [big, small]
 
 

@@ -47,15 +47,6 @@ class SchedulerOutput:
     num_cached_tokens: int  # prompt tokens found in the prefix cache by this step's admissions
 
     @property
-    def num_decodes(self) -> int:
-        return len(self.decodes)
-
-    @property
-    def rows(self) -> list[ScheduledRow]:
-        """Every row of the step: decode rows first, then prefill chunks."""
-        return [ScheduledRow(s, 1) for s in self.decodes] + self.prefills
-
-    @property
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(r.num_new for r in self.prefills)
 
