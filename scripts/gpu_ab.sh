@@ -26,17 +26,21 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do VARIANTS+=("$1"); shift; done
 [ ${#VARIANTS[@]} -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
 patches_of() { tr '+' ' ' <<< "$1"; }
+unapply() {  # PATCH...: reversed, the last applied first
+  local i patches=("$@")
+  for (( i = ${#patches[@]} - 1; i >= 0; i-- )); do git apply -R "${patches[$i]}"; done
+}
 for v in "${VARIANTS[@]}"; do  # each variant must apply to the tree as a whole, before any runs
   applied=()
   for p in $(patches_of "$v"); do
     if ! git apply --check "$p" || ! git apply "$p"; then
       echo "gpu_ab.sh: $p does not apply (variant $v)" >&2
-      for (( i = ${#applied[@]} - 1; i >= 0; i-- )); do git apply -R "${applied[$i]}"; done
+      unapply "${applied[@]}"
       exit 2
     fi
     applied+=("$p")
   done
-  for (( i = ${#applied[@]} - 1; i >= 0; i-- )); do git apply -R "${applied[$i]}"; done
+  unapply "${applied[@]}"
 done
 
 SIDES=$(mktemp -d)
@@ -57,7 +61,7 @@ for v in "${VARIANTS[@]}"; do
   read -r -a patches <<< "$(patches_of "$v")"
   for p in "${patches[@]}"; do git apply "$p"; done
   OUT=$SIDES/b$n scripts/gpu_check.sh --bench "$BENCH" -- "$@" > /dev/null 2>&1 || status=1
-  for (( i = ${#patches[@]} - 1; i >= 0; i-- )); do git apply -R "${patches[$i]}"; done
+  unapply "${patches[@]}"
   report "B$n = A + $v" "$SIDES/b$n"
 done
 # Leave A's build installed: the machine stays warm between calls, and a later call (e.g.
