@@ -214,8 +214,11 @@ class LLM:
             token_ids = seq.token_ids
             token_ids.append(token)
             request = seq.request
-            if len(token_ids) >= request.max_len or token in request.stop_ids:
-                self.scheduler.finish(seq, self._finish_reason(seq, token))
+            if token in request.stop_ids:
+                self.scheduler.finish(seq, "stop")
+                ended.append(request)
+            elif len(token_ids) >= request.max_len:
+                self.scheduler.finish(seq, "length")
                 ended.append(request)
         self.stats.num_generated_tokens += len(samplers)
         return self._partial_outputs(samplers, ended, now) if partial else self._finished_outputs(ended, now)
@@ -257,15 +260,6 @@ class LLM:
         request.metrics.finished_time = now
         del self._requests[request.request_id]
         return self._output(request, True)
-
-    @staticmethod
-    def _finish_reason(seq: Sequence, token: int) -> str | None:
-        request = seq.request
-        if token in request.stop_ids:
-            return "stop"
-        if len(seq.token_ids) >= request.max_len:
-            return "length"
-        return None
 
     def _run(self, sched: SchedulerOutput) -> tuple[list[Sequence], list[int], bool]:
         """The forward and sampling of one step; returns the sequences that sampled, their new
