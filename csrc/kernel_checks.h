@@ -1,5 +1,5 @@
-// Argument checks of rope_and_write_kv, silu_and_mul, sample and copy_blocks, shared by the CPU
-// and CUDA implementations so both reject a bad call with the same message.
+// Argument checks of rope_and_write_kv, silu_and_mul, sample, copy_blocks and advance_decode_rows,
+// shared by the CPU and CUDA implementations so both reject a bad call with the same message.
 #pragma once
 #include <optional>
 #include <vector>
@@ -166,6 +166,31 @@ inline void check_copy_blocks_args(const std::vector<at::Tensor>& k_caches,
   TORCH_CHECK(src.dim() == 1, "pagedkv: src must have shape [N], got ", src.sizes());
   check_vector(dst, src.size(0), "dst", "N");
   check_contiguous(src, "src");
+}
+
+// block_tables [B, max_blocks] int32; next_tokens, tokens, offsets [B] int64; positions,
+// context_lens, generated, slot_mapping [B] int32; all contiguous on one device.
+inline void check_advance_decode_rows_args(const at::Tensor& next_tokens, const at::Tensor& tokens,
+                                           const at::Tensor& positions, const at::Tensor& context_lens,
+                                           const at::Tensor& generated, const at::Tensor& offsets,
+                                           const at::Tensor& slot_mapping,
+                                           const at::Tensor& block_tables, int64_t block_size) {
+  TORCH_CHECK(block_tables.dim() == 2, "pagedkv: block_tables must have shape [batch, max_blocks], "
+              "got ", block_tables.sizes());
+  check_dtype(block_tables, at::kInt, "block_tables");
+  check_contiguous(block_tables, "block_tables");
+  TORCH_CHECK(block_size > 0, "pagedkv: block_size must be > 0, got ", block_size);
+  const int64_t batch = block_tables.size(0);
+  const std::tuple<const at::Tensor*, at::ScalarType, const char*> rows[] = {
+      {&next_tokens, at::kLong, "next_tokens"}, {&tokens, at::kLong, "tokens"},
+      {&positions, at::kInt, "positions"},      {&context_lens, at::kInt, "context_lens"},
+      {&generated, at::kInt, "generated"},      {&offsets, at::kLong, "offsets"},
+      {&slot_mapping, at::kInt, "slot_mapping"}};
+  for (const auto& [t, dtype, name] : rows) {
+    check_dtype(*t, dtype, name);
+    check_same_device(*t, block_tables, name, "block_tables");
+    check_vector(*t, batch, name, "batch");
+  }
 }
 
 }  // namespace pagedkv

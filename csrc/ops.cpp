@@ -39,6 +39,13 @@ TORCH_LIBRARY(pagedkv, m) {
         "Tensor? seeds, Tensor? offsets) -> ()");
   // For every layer l and pair i: block dst[i] of k_caches[l] and v_caches[l] = block src[i].
   m.def("copy_blocks(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor src, Tensor dst) -> ()");
+  // One decode step on, for rows decoded with all their blocks reserved: tokens = next_tokens;
+  // rows with context_lens > 0 move one position on (positions, context_lens, generated + 1);
+  // offsets + 1; slot_mapping = the new position's slot through block_tables (-1: padding row,
+  // or the position is past the row's table).
+  m.def("advance_decode_rows(Tensor next_tokens, Tensor(a!) tokens, Tensor(b!) positions, "
+        "Tensor(c!) context_lens, Tensor(d!) generated, Tensor(e!) offsets, "
+        "Tensor(f!) slot_mapping, Tensor block_tables, int block_size) -> ()");
 
   // Prefill/chunked-prefill attention: sequence b's new tokens are q rows [qsl[b], qsl[b+1]), the
   // last of its context_lens[b] tokens (already in the cache); each attends causally through

@@ -8,8 +8,8 @@
 #              torch's argmax reduce_kernel): read the kernel names. (Restricting it to pagedkv's
 #              kernels with --kernel-name made the sanitizer fail with an internal error.)
 # Test groups: decode (paged decode attention, RoPE + KV write, copy_blocks), prefill (paged
-# prefill attention), dense (SiLU*mul, norms, sampling, linear), all. Serially the whole set takes
-# over 10 minutes per tool on an H100, so --shards N splits the selected tests round-robin over N
+# prefill attention), dense (SiLU*mul, norms, sampling, linear, advance_decode_rows), all.
+# Serially the whole set takes over 10 minutes per tool on an H100, so --shards N splits the selected tests round-robin over N
 # processes per tool (PAGEDKV_TEST_SHARD, tests/conftest.py), all running at once: the sanitizer's
 # cost is mostly host-side, and the machines have 16+ cores. Each process is stopped after
 # SANITIZE_TIMEOUT seconds (default 540), so a call returns its logs within a device call's limit.
@@ -35,7 +35,7 @@ files_of() {
   case "$1" in
     decode) echo tests/test_paged_attention.py tests/test_rope.py tests/test_copy_blocks.py ;;
     prefill) echo tests/test_paged_prefill_attention.py ;;
-    dense) echo tests/test_activation.py tests/test_norm.py tests/test_sampling.py tests/test_linear.py ;;
+    dense) echo tests/test_activation.py tests/test_norm.py tests/test_sampling.py tests/test_linear.py tests/test_decode_rows.py ;;
     all) echo "$(files_of decode) $(files_of prefill) $(files_of dense)" ;;
     *) echo "gpu_sanitize.sh: unknown group '$1' (decode, prefill, dense, all)" >&2; exit 2 ;;
   esac

@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from pagedkv import ops
 from pagedkv.models.llama import ForwardMetadata
 
 
@@ -49,20 +50,10 @@ class DecodeState:
                             block_tables=self.block_tables, context_lens=self.context_lens)
 
     def advance(self, next_tokens: torch.Tensor) -> None:
-        """After a step sampled next_tokens [B]: feed them, one position further (on device)."""
-        live = (self.context_lens > 0).to(torch.int32)
-        self.tokens.copy_(next_tokens)
-        self.positions.add_(live)
-        self.context_lens.add_(live)
-        self.generated.add_(live)
-        self.offsets.add_(1)
+        """After a step sampled next_tokens [B]: feed them, one position further (on device, one
+        kernel; padding rows keep context 0 and slot -1)."""
+        ops.advance_decode_rows(next_tokens, self.tokens, self.positions, self.context_lens,
+                                self.generated, self.offsets, self.slot_mapping, self.block_tables,
+                                self.block_size)
         if self.seen is not None:
             self.seen.scatter_(1, next_tokens.unsqueeze(1), True)
-        self.update_slots()
-
-    def update_slots(self) -> None:
-        """slot = block_tables[row, pos // block_size] * block_size + pos % block_size."""
-        pos = self.positions.long()
-        block = self.block_tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1)
-        slots = block * self.block_size + (self.positions % self.block_size)
-        torch.where(self.context_lens > 0, slots, torch.full_like(slots, -1), out=self.slot_mapping)

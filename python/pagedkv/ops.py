@@ -242,6 +242,23 @@ def copy_blocks(
     _ops.copy_blocks(k_caches, v_caches, src, dst)
 
 
+def advance_decode_rows(
+    next_tokens: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+    context_lens: torch.Tensor, generated: torch.Tensor, offsets: torch.Tensor,
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+) -> None:
+    """One decode step on for a batch whose rows have all their blocks reserved, in one kernel.
+
+    In place: ``tokens = next_tokens``; rows with ``context_lens > 0`` (live) get positions,
+    context_lens and generated + 1; offsets + 1 for every row; slot_mapping = the cache slot of
+    the new position, ``block_tables[b, pos // block_size] * block_size + pos % block_size``, or
+    -1 for padding rows and for a position past the row's table. block_tables: [B, max_blocks]
+    int32; next_tokens, tokens, offsets: [B] int64; the rest [B] int32; one device.
+    """
+    _ops.advance_decode_rows(next_tokens, tokens, positions, context_lens, generated, offsets,
+                             slot_mapping, block_tables, block_size)
+
+
 @torch.library.register_fake("pagedkv::rope_and_write_kv")
 def _rope_and_write_kv_fake(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                             q_norm_weight, k_norm_weight, epsilon) -> None:
@@ -260,6 +277,12 @@ def _sample_fake(out, logits, temperatures, top_k, top_p, seeds, offsets) -> Non
 
 @torch.library.register_fake("pagedkv::copy_blocks")
 def _copy_blocks_fake(k_caches, v_caches, src, dst) -> None:
+    return None
+
+
+@torch.library.register_fake("pagedkv::advance_decode_rows")
+def _advance_decode_rows_fake(next_tokens, tokens, positions, context_lens, generated, offsets,
+                              slot_mapping, block_tables, block_size) -> None:
     return None
 
 
