@@ -8,6 +8,7 @@
 // takes kUnroll neighbouring 32-wide slices per step, so one warp's loads of a row cover whole
 // 128-byte lines (DRAM is read in full lines, not 64-byte halves from two warps).
 // x is read once per 16x32 weight tile, from L1.
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -66,6 +67,10 @@ __device__ __forceinline__ void mma_slice(float (&c)[4], const uint4& lo, const 
 // up rows; out [m, n] = silu(x @ gate^T) * (x @ up^T), each product rounded to T first (HF).
 // x [m, k] has row stride x_stride; k % 8 == 0. Rows of the tile past n are clamped (read, not
 // stored); x rows past m and k past the end are zeros.
+// Persistent: CTA i takes tiles i, i + gridDim.x, ... and the software pipeline runs across
+// them: the last step of one tile issues the loads of the next tile's first step, so the
+// reduction and the stores of a tile overlap memory reads, and no CTA starts from an empty pipe
+// (with one tile per CTA, every CTA of every wave waited a full memory round trip first).
 template <typename T, int kAcc>
 __global__ void __launch_bounds__(kSplit * 32)
     gemv_mma_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
@@ -75,16 +80,18 @@ __global__ void __launch_bounds__(kSplit * 32)
   const int warp = threadIdx.x / 32;
   const int g = lane / 4;
   const int t = lane % 4;
-  const int row0 = blockIdx.x * 16;
+  const int tiles = (n + 15) / 16;
 
-  const T* w_lo[kAcc];
-  const T* w_hi[kAcc];
+  // This lane's two weight rows (per accumulator) in tile `tile`, at k offset 8 t.
+  const auto rows_of = [&](int tile, const T* (&lo)[kAcc], const T* (&hi)[kAcc]) {
+    const int row0 = tile * 16;
 #pragma unroll
-  for (int a = 0; a < kAcc; ++a) {
-    const int64_t base = static_cast<int64_t>(a) * n;
-    w_lo[a] = weight + (base + min(row0 + g, n - 1)) * k + 8 * t;
-    w_hi[a] = weight + (base + min(row0 + g + 8, n - 1)) * k + 8 * t;
-  }
+    for (int a = 0; a < kAcc; ++a) {
+      const int64_t base = static_cast<int64_t>(a) * n;
+      lo[a] = weight + (base + min(row0 + g, n - 1)) * k + 8 * t;
+      hi[a] = weight + (base + min(row0 + g + 8, n - 1)) * k + 8 * t;
+    }
+  };
   // Lanes of x rows past m read row 0 and zero it with a mask: a select, not a branch, so the
   // compiler keeps every load of an unrolled step ahead of the mmas.
   const uint32_t x_mask = g < m ? ~0u : 0u;
@@ -94,34 +101,46 @@ __global__ void __launch_bounds__(kSplit * 32)
     return make_uint4(v.x & x_mask, v.y & x_mask, v.z & x_mask, v.w & x_mask);
   };
 
-  float c[kAcc][4];
-#pragma unroll
-  for (int a = 0; a < kAcc; ++a)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c[a][i] = 0.f;
-
   const int full = k / kSlice;  // whole slices; a partial one (8, 16 or 24 k) may follow
-  constexpr int kStep = kSplit * kUnroll;  // slices per CTA step; warp w takes [kUnroll w, kUnroll (w + 1))
+  constexpr int kStep = kSplit * kUnroll;  // slices per CTA step; warp w takes kUnroll of them
   const int steps = full / kStep;
-  // Main loop, software-pipelined by hand: the loads of the next step are issued before the mmas
-  // of the current one (ptxas otherwise sinks each load next to its mma). The last prefetch
-  // re-reads the current slices (an L2 hit) instead of branching.
-  if (steps > 0) {
-    uint4 lo[kUnroll][kAcc], hi[kUnroll][kAcc], xv[kUnroll];
-    auto load = [&](int step) {
+  uint4 lo[kUnroll][kAcc], hi[kUnroll][kAcc], xv[kUnroll];
+  auto load = [&](const T* const (&w_lo)[kAcc], const T* const (&w_hi)[kAcc], int step) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int s = (step * kStep + warp * kUnroll + u) * kSlice;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int s = (step * kStep + warp * kUnroll + u) * kSlice;
 #pragma unroll
-        for (int a = 0; a < kAcc; ++a) {
-          lo[u][a] = load_streaming(w_lo[a] + s);
-          hi[u][a] = load_streaming(w_hi[a] + s);
-        }
-        xv[u] = load_x(s);
+      for (int a = 0; a < kAcc; ++a) {
+        lo[u][a] = load_streaming(w_lo[a] + s);
+        hi[u][a] = load_streaming(w_hi[a] + s);
       }
-    };
-    load(0);
-    for (int step = 0;; ++step) {
+      xv[u] = load_x(s);
+    }
+  };
+
+  int tile = blockIdx.x;
+  if (steps > 0) {
+    const T* w_lo[kAcc];
+    const T* w_hi[kAcc];
+    rows_of(tile, w_lo, w_hi);
+    load(w_lo, w_hi, 0);
+  }
+#pragma unroll 1
+  for (; tile < tiles; tile += gridDim.x) {
+    const int next_tile = tile + gridDim.x;
+
+    float c[kAcc][4];
+#pragma unroll
+    for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[a][i] = 0.f;
+
+    // Main loop, software-pipelined by hand: the loads of the next step (or of the next tile's
+    // first) are issued before the mmas of the current one (ptxas otherwise sinks each load
+    // next to its mma). Past the last tile, the last prefetch re-reads the current slices (an
+    // L2 hit) instead of branching.
+#pragma unroll 1
+    for (int step = 0; step < steps; ++step) {
       uint4 lo_c[kUnroll][kAcc], hi_c[kUnroll][kAcc], xv_c[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -132,62 +151,96 @@ __global__ void __launch_bounds__(kSplit * 32)
           hi_c[u][a] = hi[u][a];
         }
       }
-      const bool more = step + 1 < steps;
-      load(more ? step + 1 : step);
+      {  // after this tile's last step, the next tile's first; past the last tile, this step again
+        const bool last = step + 1 == steps;
+        const bool ahead = last && next_tile < tiles;
+        const T* l_lo[kAcc];
+        const T* l_hi[kAcc];
+        rows_of(ahead ? next_tile : tile, l_lo, l_hi);
+        load(l_lo, l_hi, ahead ? 0 : (last ? step : step + 1));
+      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int a = 0; a < kAcc; ++a) mma_slice<T>(c[a], lo_c[u][a], hi_c[u][a], xv_c[u]);
-      if (!more) break;
     }
-  }
-  int sl = steps * kStep + warp;
-  for (; sl * kSlice < k; sl += kSplit) {  // leftover slices, the last maybe partial
-    const int s = sl * kSlice;
-    const bool in = s + 8 * t < k;  // k % 8 == 0: a lane's 8 elements are all in or all out
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    const uint4 xv = in ? load_x(s) : zero;
+    const T* w_lo[kAcc];
+    const T* w_hi[kAcc];
+    rows_of(tile, w_lo, w_hi);
+    for (int sl = steps * kStep + warp; sl * kSlice < k; sl += kSplit) {  // leftover slices
+      const int s = sl * kSlice;
+      const bool in = s + 8 * t < k;  // k % 8 == 0: a lane's 8 elements are all in or all out
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      const uint4 x_s = in ? load_x(s) : zero;
 #pragma unroll
-    for (int a = 0; a < kAcc; ++a) {
-      const uint4 lo = in ? load_streaming(w_lo[a] + s) : zero;
-      const uint4 hi = in ? load_streaming(w_hi[a] + s) : zero;
-      mma_slice<T>(c[a], lo, hi, xv);
-    }
-  }
-
-  if (warp > 0) {
-#pragma unroll
-    for (int a = 0; a < kAcc; ++a)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) partial[warp - 1][a][i][lane] = c[a][i];
-  }
-  __syncthreads();
-  if (warp > 0) return;
-#pragma unroll
-  for (int w = 0; w < kSplit - 1; ++w)
-#pragma unroll
-    for (int a = 0; a < kAcc; ++a)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) c[a][i] += partial[w][a][i][lane];
-
-  // c[a][2h + e] = out^T[row0 + g + 8h][2t + e]: output column row0 + g + 8h, x row 2t + e.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int col = row0 + g + 8 * h;
-    if (col >= n) continue;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int i = 2 * t + e;
-      if (i >= m) continue;
-      T* dst = out + static_cast<int64_t>(i) * n + col;
-      if constexpr (kAcc == 2) {
-        *dst = silu_mul(from_float<T>(c[0][2 * h + e]), from_float<T>(c[1][2 * h + e]));
-      } else {
-        const float b = bias == nullptr ? 0.f : to_float(bias[col]);
-        *dst = from_float<T>(c[0][2 * h + e] + b);
+      for (int a = 0; a < kAcc; ++a) {
+        const uint4 w_l = in ? load_streaming(w_lo[a] + s) : zero;
+        const uint4 w_h = in ? load_streaming(w_hi[a] + s) : zero;
+        mma_slice<T>(c[a], w_l, w_h, x_s);
       }
     }
+
+    if (warp > 0) {
+#pragma unroll
+      for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) partial[warp - 1][a][i][lane] = c[a][i];
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int w = 0; w < kSplit - 1; ++w)
+#pragma unroll
+        for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) c[a][i] += partial[w][a][i][lane];
+
+      // c[a][2h + e] = out^T[16 tile + g + 8h][2t + e]: that output column, x row 2t + e.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = tile * 16 + g + 8 * h;
+        if (col >= n) continue;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 2 * t + e;
+          if (i >= m) continue;
+          T* dst = out + static_cast<int64_t>(i) * n + col;
+          if constexpr (kAcc == 2) {
+            *dst = silu_mul(from_float<T>(c[0][2 * h + e]), from_float<T>(c[1][2 * h + e]));
+          } else {
+            const float b = bias == nullptr ? 0.f : to_float(bias[col]);
+            *dst = from_float<T>(c[0][2 * h + e] + b);
+          }
+        }
+      }
+    }
+    __syncthreads();  // `partial` is rewritten for the next tile
   }
+}
+
+// CTAs of gemv_mma_kernel<T, kAcc> resident on the whole GPU (occupancy times SMs), per device.
+template <typename T, int kAcc>
+int resident_ctas() {
+  static int cached[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  if (cached[device] == 0) {
+    int sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_mma_kernel<T, kAcc>, kSplit * 32, 0);
+    cached[device] = std::max(1, sms * per_sm);
+  }
+  return cached[device];
+}
+
+// Tiles per CTA as even as the resident CTAs allow: ceil(tiles / resident) each, the grid the
+// fewest CTAs that cover the tiles that way.
+template <typename T, int kAcc>
+int persistent_grid(int tiles) {
+  const int resident = resident_ctas<T, kAcc>();
+  if (resident <= 0 || tiles <= resident) return tiles;
+  const int per_cta = (tiles + resident - 1) / resident;
+  return (tiles + per_cta - 1) / per_cta;
 }
 
 }  // namespace
@@ -206,11 +259,13 @@ cudaError_t gemv_mma(void* out, const void* x, int64_t x_stride, const void* wei
       auto* xs = static_cast<const T*>(x);
       auto* w = static_cast<const T*>(weight);
       auto* b = static_cast<const T*>(bias);
-      const int blocks = (n + 15) / 16;
+      const int tiles = (n + 15) / 16;
       if (silu_mul) {
-        gemv_mma_kernel<T, 2><<<blocks, kSplit * 32, 0, stream>>>(o, xs, x_stride, w, nullptr, m, n, k);
+        gemv_mma_kernel<T, 2><<<persistent_grid<T, 2>(tiles), kSplit * 32, 0, stream>>>(
+            o, xs, x_stride, w, nullptr, m, n, k);
       } else {
-        gemv_mma_kernel<T, 1><<<blocks, kSplit * 32, 0, stream>>>(o, xs, x_stride, w, b, m, n, k);
+        gemv_mma_kernel<T, 1><<<persistent_grid<T, 1>(tiles), kSplit * 32, 0, stream>>>(
+            o, xs, x_stride, w, b, m, n, k);
       }
       return cudaGetLastError();
     }
