@@ -176,9 +176,9 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   const int slot_mask = (1 << plan.block_shift) - 1;
   constexpr int kWarpStride = kWarps * Tl::kTokensPerIter;
 
-  // Physical blocks of this lane's tokens, fetched one iteration ahead. A lane past the end reads
-  // the last token again instead (no branch around its loads; its score is masked): table
-  // entries past the context are never read.
+  // Physical blocks of this lane's tokens, fetched one iteration ahead of the K/V loads that use
+  // them. A lane past the end reads the last token again instead (no branch around its loads; its
+  // score is masked): table entries past the context are never read.
   int phys[kSteps];
   auto fetch_blocks = [&](int base) {
 #pragma unroll
@@ -187,14 +187,11 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
       phys[u] = __ldg(table + (t >> plan.block_shift));
     }
   };
-  int t0 = begin + warp * Tl::kTokensPerIter;
-  fetch_blocks(t0);
-
-  for (; t0 < end; t0 += kWarpStride) {  // t0 is warp-uniform: shuffles below see all lanes
-    uint4 kr[kSteps][kNv], vr[kSteps][kNv];
+  uint4 kr[kSteps][kNv], vr[kSteps][kNv];
+  auto load_kv = [&](int base) {
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
-      const int t = min(t0 + u * kSide + side, end - 1);
+      const int t = min(base + u * kSide + side, end - 1);
       const int64_t row = phys[u] * block_stride + (t & slot_mask) * token_stride + lane_offset;
 #pragma unroll
       for (int n = 0; n < kNv; ++n) {
@@ -202,7 +199,37 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
         vr[u][n] = load16(v_cache + row + n * kLanes * kVec);
       }
     }
+  };
+  // Pipelined: the next iteration's K/V loads are issued before this iteration's arithmetic, so a
+  // warp keeps bytes in flight while it computes (registers allowing: not the 8-head groups).
+  constexpr bool kPipelined = G < 8;
+  int t0 = begin + warp * Tl::kTokensPerIter;
+  fetch_blocks(t0);
+  if constexpr (kPipelined) {
+    load_kv(t0);
     fetch_blocks(t0 + kWarpStride);
+  }
+
+  for (; t0 < end; t0 += kWarpStride) {  // t0 is warp-uniform: shuffles below see all lanes
+    if constexpr (!kPipelined) {
+      load_kv(t0);
+      fetch_blocks(t0 + kWarpStride);
+    }
+    uint4 kc[kSteps][kNv], vc[kSteps][kNv];  // this iteration's rows
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+      for (int n = 0; n < kNv; ++n) {
+        kc[u][n] = kr[u][n];
+        vc[u][n] = vr[u][n];
+      }
+    }
+    if constexpr (kPipelined) {
+      if (t0 + kWarpStride < end) {
+        load_kv(t0 + kWarpStride);
+        fetch_blocks(t0 + 2 * kWarpStride);
+      }
+    }
 
     // Scores: partial dot products over this lane's slice, summed over the kLanes lanes of the
     // token (xor offsets below kLanes stay inside the lane group).
@@ -211,7 +238,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
     for (int u = 0; u < kSteps; ++u) {
       float kf[kE];
 #pragma unroll
-      for (int n = 0; n < kNv; ++n) unpack16(kr[u][n], &kf[n * kVec], T{});
+      for (int n = 0; n < kNv; ++n) unpack16(kc[u][n], &kf[n * kVec], T{});
 #pragma unroll
       for (int h = 0; h < G; ++h) {
         float dot = 0.f;
@@ -257,7 +284,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
     for (int u = 0; u < kSteps; ++u) {
       float vf[kE];
 #pragma unroll
-      for (int n = 0; n < kNv; ++n) unpack16(vr[u][n], &vf[n * kVec], T{});
+      for (int n = 0; n < kNv; ++n) unpack16(vc[u][n], &vf[n * kVec], T{});
 #pragma unroll
       for (int h = 0; h < G; ++h) {
 #pragma unroll
