@@ -178,6 +178,26 @@ def test_strided_q_and_out(device):
     run_and_check(q, k_cache, v_cache, table, lens, out=out)
 
 
+@pytest.mark.parametrize("num_splits", [0, 1])
+@pytest.mark.parametrize("heads", [(32, 8), (28, 4), (8, 2)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_rising_and_peaked_scores(device, heads, num_splits):
+    """Scores spread wide (q scaled by 4) and rising along each context (every K row scaled by
+    1 + 3 * position / context): the running softmax max moves in most iterations, far past any
+    slack a kernel may allow it before rescaling, and the attention is peaked on a few tokens."""
+    num_q_heads, num_kv_heads = heads
+    block_size, context_lens = 16, [1000, 37, 4100]
+    k_cache, v_cache, table, lens = make_paged_cache(context_lens, num_kv_heads, 128, block_size,
+                                                     torch.bfloat16, device)
+    for b, n in enumerate(context_lens):
+        ramp = 1 + 3 * torch.arange(n, device=device) / n  # [n]
+        ramp = torch.nn.functional.pad(ramp, (0, -n % block_size)).view(-1, block_size, 1, 1)
+        blocks = table[b, : ramp.shape[0]].long()  # each sequence's blocks are its own
+        k_cache[blocks] = (k_cache[blocks].float() * ramp).to(k_cache.dtype)
+    q = 4 * torch.randn(len(context_lens), num_q_heads, 128, dtype=torch.bfloat16, device=device)
+    run_and_check(q, k_cache, v_cache, table, lens, num_splits=num_splits)
+
+
 @pytest.mark.parametrize("num_splits", [0, 1, 5])
 @pytest.mark.parametrize("device", DEVICES)
 def test_head_major_cache_storage(device, num_splits):
