@@ -10,13 +10,21 @@
 # Writes to $OUT (else ./results): ab.md (A's summary, then each variant's), ab_files.tgz (every
 # side's logs and plots). With .whl carried, gpu_check.sh installs the wheels (FlashInfer for
 # W3's column). BENCH_<NAME>_ARGS pass through to the benchmarks (see gpu_check.sh).
-# Usage: scripts/gpu_ab.sh --bench NAME[,NAME...] VARIANT... [-- PYTEST_ARGS]
+# --rounds N runs the whole sequence (A, B1, B2, ...) N times (ABAB...): a difference that holds
+# in every round is not the machine drifting between sides; tests run in the first round only.
+# Usage: scripts/gpu_ab.sh [--rounds N] --bench NAME[,NAME...] VARIANT... [-- PYTEST_ARGS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-${RESULTS_DIR:-results}}
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
-usage="usage: gpu_ab.sh --bench NAME[,NAME...] VARIANT... [-- PYTEST_ARGS]; VARIANT = PATCH[+PATCH...]"
+usage="usage: gpu_ab.sh [--rounds N] --bench NAME[,NAME...] VARIANT... [-- PYTEST_ARGS]; VARIANT = PATCH[+PATCH...]"
+ROUNDS=1
+if [ "${1:-}" = "--rounds" ]; then
+  ROUNDS=${2:?$usage}
+  [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_ab.sh: --rounds takes a positive integer, got '$ROUNDS'" >&2; exit 2; }
+  shift 2
+fi
 [ "${1:-}" = "--bench" ] || { echo "$usage" >&2; exit 2; }
 BENCH=${2:?$usage}
 shift 2
@@ -50,19 +58,23 @@ report() {  # TITLE SIDE_DIR
   { echo; echo "# $1"; sed 's/^#/##/' "$2/summary.md" 2>/dev/null || echo "(no summary)"; } >> "$RESULTS/ab.md"
   tar -czf "$RESULTS/ab_files.tgz" -C "$SIDES" .
 }
-echo "# A/B on one machine: A = the tree; B1..B${#VARIANTS[@]} = A + each variant" > "$RESULTS/ab.md"
-echo "== A: the tree as it is"
-OUT=$SIDES/a scripts/gpu_check.sh --no-tests --bench "$BENCH" > /dev/null 2>&1 || status=1
-report "A" "$SIDES/a"
-n=0
-for v in "${VARIANTS[@]}"; do
-  n=$((n + 1))
-  echo "== B$n: $v"
-  read -r -a patches <<< "$(patches_of "$v")"
-  for p in "${patches[@]}"; do git apply "$p"; done
-  OUT=$SIDES/b$n scripts/gpu_check.sh --bench "$BENCH" -- "$@" > /dev/null 2>&1 || status=1
-  unapply "${patches[@]}"
-  report "B$n = A + $v" "$SIDES/b$n"
+echo "# A/B on one machine: A = the tree; B1..B${#VARIANTS[@]} = A + each variant; $ROUNDS round(s)" > "$RESULTS/ab.md"
+for (( round = 1; round <= ROUNDS; round++ )); do
+  suffix=""; [ "$ROUNDS" -gt 1 ] && suffix=" (round $round)"
+  echo "== A: the tree as it is$suffix"
+  OUT=$SIDES/a$round scripts/gpu_check.sh --no-tests --bench "$BENCH" > /dev/null 2>&1 || status=1
+  report "A$suffix" "$SIDES/a$round"
+  n=0
+  for v in "${VARIANTS[@]}"; do
+    n=$((n + 1))
+    echo "== B$n: $v$suffix"
+    read -r -a patches <<< "$(patches_of "$v")"
+    for p in "${patches[@]}"; do git apply "$p"; done
+    tests=(); [ "$round" -gt 1 ] && tests=(--no-tests)
+    OUT=$SIDES/b$n.$round scripts/gpu_check.sh "${tests[@]}" --bench "$BENCH" -- "$@" > /dev/null 2>&1 || status=1
+    unapply "${patches[@]}"
+    report "B$n = A + $v$suffix" "$SIDES/b$n.$round"
+  done
 done
 # Leave A's build installed: the machine stays warm between calls, and a later call (e.g.
 # gpu_sanitize.sh) must find the build of the tree it was sent.
