@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "kernels/decode_rows_rule.h"
 
 namespace pagedkv {
 
@@ -170,11 +171,11 @@ inline void check_copy_blocks_args(const std::vector<at::Tensor>& k_caches,
 
 // block_tables [B, max_blocks] int32; next_tokens, tokens, offsets [B] int64; positions,
 // context_lens, generated, slot_mapping [B] int32; all contiguous on one device.
-inline void check_advance_decode_rows_args(const at::Tensor& next_tokens, const at::Tensor& tokens,
-                                           const at::Tensor& positions, const at::Tensor& context_lens,
-                                           const at::Tensor& generated, const at::Tensor& offsets,
-                                           const at::Tensor& slot_mapping,
-                                           const at::Tensor& block_tables, int64_t block_size) {
+// Returns the kernel's view of the tensors once they pass.
+inline kernels::DecodeRows checked_decode_rows(
+    const at::Tensor& next_tokens, const at::Tensor& tokens, const at::Tensor& positions,
+    const at::Tensor& context_lens, const at::Tensor& generated, const at::Tensor& offsets,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, int64_t block_size) {
   TORCH_CHECK(block_tables.dim() == 2, "pagedkv: block_tables must have shape [batch, max_blocks], "
               "got ", block_tables.sizes());
   check_dtype(block_tables, at::kInt, "block_tables");
@@ -191,6 +192,13 @@ inline void check_advance_decode_rows_args(const at::Tensor& next_tokens, const 
     check_same_device(*t, block_tables, name, "block_tables");
     check_vector(*t, batch, name, "batch");
   }
+  return kernels::DecodeRows{
+      next_tokens.const_data_ptr<int64_t>(), tokens.data_ptr<int64_t>(),
+      positions.data_ptr<int32_t>(),         context_lens.data_ptr<int32_t>(),
+      generated.data_ptr<int32_t>(),         offsets.data_ptr<int64_t>(),
+      slot_mapping.data_ptr<int32_t>(),      block_tables.const_data_ptr<int32_t>(),
+      static_cast<int>(batch),               static_cast<int>(block_tables.size(1)),
+      static_cast<int>(block_size)};
 }
 
 }  // namespace pagedkv

@@ -13,17 +13,11 @@ void advance_decode_rows_cuda(const at::Tensor& next_tokens, const at::Tensor& t
                               const at::Tensor& generated, const at::Tensor& offsets,
                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                               int64_t block_size) {
-  check_advance_decode_rows_args(next_tokens, tokens, positions, context_lens, generated, offsets,
-                                 slot_mapping, block_tables, block_size);
+  const kernels::DecodeRows rows =
+      checked_decode_rows(next_tokens, tokens, positions, context_lens, generated, offsets,
+                          slot_mapping, block_tables, block_size);
   check_cuda(block_tables, "block_tables");
   const c10::cuda::CUDAGuard guard(block_tables.device());
-  const kernels::DecodeRows rows{
-      next_tokens.const_data_ptr<int64_t>(), tokens.data_ptr<int64_t>(),
-      positions.data_ptr<int32_t>(),         context_lens.data_ptr<int32_t>(),
-      generated.data_ptr<int32_t>(),         offsets.data_ptr<int64_t>(),
-      slot_mapping.data_ptr<int32_t>(),      block_tables.const_data_ptr<int32_t>(),
-      static_cast<int>(block_tables.size(0)), static_cast<int>(block_tables.size(1)),
-      static_cast<int>(block_size)};
   C10_CUDA_CHECK(kernels::advance_decode_rows(rows, c10::cuda::getCurrentCUDAStream()));
 }
 

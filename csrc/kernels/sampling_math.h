@@ -5,11 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define PAGEDKV_HD __host__ __device__ __forceinline__
-#else
-#define PAGEDKV_HD inline
-#endif
+#include "kernels/host_device.h"
 
 namespace pagedkv::sampling {
 
