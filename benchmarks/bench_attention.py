@@ -3,8 +3,11 @@ sequence of the batch at the full context, physical blocks shuffled. Side by sid
 
 - pagedkv.ops.paged_decode_attention (CUDA graph replay, workspace preallocated);
 - the HF way: gather the blocks into dense K/V, then scaled_dot_product_attention;
-- the same with the caches stored head-major ([num_blocks, kv_heads, block, D], read through the
-  transpose(1, 2) view's strides): which layout the decode reads faster;
+- pagedkv's tensor-core prefill kernel (ops.paged_prefill_attention) on the same decode batch,
+  one query row per sequence and no split of the context: how fast an mma.sync path with K/V
+  tiles staged in shared memory reads the cache where the grid is full (large batches), the
+  question for a tensor-core decode kernel (head-major storage, measured here before, read no
+  faster than the [block, kv_heads] layout: docs/measurements.md);
 - dense SDPA on a contiguous cache (no gather): the bar for "paging costs nothing";
 - FlashInfer's BatchDecodeWithPagedKVCacheWrapper, when `flashinfer` imports (skipped otherwise).
 
@@ -37,13 +40,6 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 POINTS = [(1, 1024), (1, 8192), (1, 32768), (16, 4096), (64, 2048), (256, 1024)]  # batch, context
 SMALL_POINTS = [(1, 256), (1, 2048), (4, 512), (16, 128)]
 DTYPE = torch.bfloat16
-
-
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same values, stored [num_blocks, kv_heads, block, head_dim]: each kv head's rows of a
-    block contiguous. Returned as the [num_blocks, block, kv_heads, head_dim] view pagedkv reads
-    through its strides."""
-    return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 class FlashInferDecode:
@@ -131,12 +127,17 @@ def bench_point(batch: int, context: int, device: str) -> dict:
     row["pagedkv_us"] = time_us([lambda c=c: pagedkv(*c) for c in caches], device)
     row["gather_us"] = time_us([lambda c=c: gather_sdpa(*c) for c in caches], device)
     row["dense_us"] = time_us([lambda d=d: dense_sdpa(*d) for d in dense], device)
-    # Head-major storage: a kv head's block is one contiguous run (block x head_dim x 2 bytes)
-    # instead of block rows of head_dim x 2 bytes strided by kv_heads x head_dim.
-    head_major_caches = [(head_major(k), head_major(v)) for k, v in caches]
-    pagedkv(*head_major_caches[0])
-    row["max_diff_head_major"] = (out.float() - expected.float()).abs().max().item()
-    row["pagedkv_hm_us"] = time_us([lambda c=c: pagedkv(*c) for c in head_major_caches], device)
+    # The prefill kernel on the same batch: each sequence's one new token is row b of q.
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    prefill_out = torch.empty_like(q)
+
+    def pagedkv_prefill(k_cache, v_cache):
+        ops.paged_prefill_attention(q, k_cache, v_cache, table, lens, query_start_loc, scale,
+                                    max_query_len=1, out=prefill_out)
+
+    pagedkv_prefill(*caches[0])
+    row["max_diff_prefill"] = (prefill_out.float() - expected.float()).abs().max().item()
+    row["prefill_us"] = time_us([lambda c=c: pagedkv_prefill(*c) for c in caches], device)
     row["flashinfer_us"] = None
     if device == "cuda":
         flashinfer = FlashInferDecode(*caches[0], table, context, q)
@@ -146,7 +147,7 @@ def bench_point(batch: int, context: int, device: str) -> dict:
             fi_diff = (flashinfer().float() - expected.float()).abs().max().item()
             row["flashinfer_us"] = time_us([lambda c=c: flashinfer(c) for c in caches], device)
             row["flashinfer_note"] = f"FlashInfer max abs diff vs dense SDPA {fi_diff:.3g}"
-    for name in ("pagedkv", "pagedkv_hm", "gather", "dense", "flashinfer"):
+    for name in ("pagedkv", "prefill", "gather", "dense", "flashinfer"):
         us = row[f"{name}_us"]
         row[f"{name}_gbs"] = kv_bytes / (us * 1e-6) / 1e9 if us else None
     return row
@@ -176,12 +177,12 @@ def main() -> None:
         return v if v is not None else "n/a"
 
     header = ["batch x context", "splits", "cache copies", "pagedkv us", "pagedkv GB/s", "% of copy BW",
-              "pagedkv head-major GB/s", "gather+SDPA us", "gather+SDPA GB/s", "dense SDPA GB/s",
+              "prefill kernel GB/s", "gather+SDPA us", "gather+SDPA GB/s", "dense SDPA GB/s",
               "FlashInfer GB/s", "speed-up vs gather+SDPA", "max abs diff vs SDPA"]
     table_rows = [[r["point"], r["splits"], r["copies"], r["pagedkv_us"], r["pagedkv_gbs"], 100 * r["pagedkv_gbs"] / copy_gbs,
-                   r["pagedkv_hm_gbs"], r["gather_us"], r["gather_gbs"], r["dense_gbs"],
+                   r["prefill_gbs"], r["gather_us"], r["gather_gbs"], r["dense_gbs"],
                    gbs(r["flashinfer_gbs"]), r["gather_us"] / r["pagedkv_us"],
-                   max(r["max_diff"], r["max_diff_head_major"])] for r in rows]
+                   max(r["max_diff"], r["max_diff_prefill"])] for r in rows]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     title = (f"W3 paged decode attention, {str(DTYPE).removeprefix('torch.')}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, "
              f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, {name}; copy bandwidth {copy_gbs:.0f} GB/s")
@@ -190,7 +191,7 @@ def main() -> None:
         text += "\n\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes))
     save_table(args.out, "bench_attention", title, text)
     series = {"pagedkv": [r["pagedkv_gbs"] for r in rows],
-              "pagedkv head-major": [r["pagedkv_hm_gbs"] for r in rows],
+              "pagedkv prefill kernel": [r["prefill_gbs"] for r in rows],
               "gather+SDPA": [r["gather_gbs"] for r in rows],
               "dense SDPA": [r["dense_gbs"] for r in rows]}
     if any(r["flashinfer_gbs"] for r in rows):
