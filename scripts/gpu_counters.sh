@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine, after scripts/gpu_check.sh has built pagedkv: hardware counters (Nsight
 # Compute) of the kernels behind the open speed gaps, and paged decode attention's time over
-# num_splits at batch 1 (scripts/kernel_counters.py says which kernels and why).
+# num_splits at W3's and W1's shapes (scripts/kernel_counters.py says which kernels and why).
 # Writes to $OUT (else ./results): counters.txt (ncu's details page per kernel, in the order the
-# script prints), splits.md (the sweep).
+# script prints), splits.md and splits_w1.md (the sweeps).
 # Usage: scripts/gpu_counters.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,7 @@ PY=${PYTHON:-python3}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
 status=0
 "$PY" scripts/kernel_counters.py sweep | tee "$RESULTS/splits.md" || status=1
+"$PY" scripts/kernel_counters.py sweep-w1 | tee "$RESULTS/splits_w1.md" || status=1
 if [ -z "$NCU" ]; then
   echo "gpu_counters.sh: ncu not found" >&2; exit 1
 fi

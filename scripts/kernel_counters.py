@@ -8,8 +8,11 @@
   sweep     paged decode attention's time over num_splits at a few batch x context points, by
             CUDA-graph replay of calls rotating among cache copies past the L2: is the automatic
             split count the best one?
+  sweep-w1  the same at W1's decode shapes (28 q / 4 kv heads; block tables of 16 blocks, as
+            generate() reserves for prompt 128 + 128 new tokens, the contexts 128-256 of the run):
+            in a W1 step attention is ~5% of the time and latency-bound, with 4 splits chosen.
 
-    python scripts/kernel_counters.py counters|sweep
+    python scripts/kernel_counters.py counters|sweep|sweep-w1
 """
 
 from __future__ import annotations
@@ -36,13 +39,15 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 
 
-def attention_inputs(batch: int, context: int):
-    blocks = batch * context // BLOCK_SIZE
-    k_cache = torch.randn(blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+def attention_inputs(batch: int, context: int, heads=(NUM_Q_HEADS, NUM_KV_HEADS), table_tokens=None):
+    """q, caches, a shuffled block table of table_tokens (default: context) per row, lens."""
+    num_q_heads, num_kv_heads = heads
+    blocks = batch * (table_tokens or context) // BLOCK_SIZE
+    k_cache = torch.randn(blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype=DTYPE, device="cuda")
     v_cache = torch.randn_like(k_cache)
     table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    q = torch.randn(batch, num_q_heads, HEAD_DIM, dtype=DTYPE, device="cuda")
     return q, k_cache, v_cache, table, lens
 
 
@@ -88,20 +93,25 @@ def counters() -> None:
 # (batch, context) points of the split sweep: batch 1 (W1's case), and batches whose automatic
 # split counts are small (W3's larger points) or in between.
 SWEEP_POINTS = [(1, 1024), (1, 8192), (1, 32768), (4, 8192), (16, 4096)]
+# W1: (batch, context) with tables of 256 tokens; contexts at the start, middle and end of the run.
+W1_HEADS, W1_TABLE_TOKENS = (28, 4), 256
+W1_SWEEP_POINTS = [(1, 128), (1, 192), (1, 256), (8, 192), (32, 192)]
 
 
-def sweep() -> None:
-    print("| batch x context | num_splits | us | GB/s of K/V |")
+def sweep(points, heads=(NUM_Q_HEADS, NUM_KV_HEADS), table_tokens=None) -> None:
+    print(f"| batch x context ({heads[0]} q / {heads[1]} kv heads) | num_splits | us | GB/s of K/V |")
     print("|---|---|---|---|")
-    for batch, context in SWEEP_POINTS:
-        kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    for batch, context in points:
+        kv_bytes = 2 * batch * context * heads[1] * HEAD_DIM * DTYPE.itemsize
         # Copies rotated as in bench_attention: a cache smaller than the L2 would be timed from it.
-        sets = [attention_inputs(batch, context) for _ in range(copies_past_l2(kv_bytes, "cuda"))]
+        sets = [attention_inputs(batch, context, heads, table_tokens)
+                for _ in range(copies_past_l2(kv_bytes, "cuda"))]
         q, k_cache, _, table, _ = sets[0]
         auto = ops.paged_decode_num_splits(q, k_cache, table)
+        max_blocks = table.shape[1]
         candidates = {1, 2, 3, 4, 6, 8, 16, 32, 48, 64, 96, 128, 256, auto, max(1, auto // 2), 2 * auto}
         for splits in sorted(candidates):
-            if splits > context // BLOCK_SIZE or splits > max(8, 4 * auto):
+            if splits > max_blocks or splits > max(16, 4 * auto):
                 continue
             workspace = ops.paged_decode_workspace(q, k_cache, table, splits)
             fn, per_graph = rotating([lambda s=s: ops.paged_decode_attention(
@@ -115,11 +125,16 @@ def sweep() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["counters", "sweep"])
+    parser.add_argument("mode", choices=["counters", "sweep", "sweep-w1"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_counters.py: needs a CUDA GPU")
-    counters() if args.mode == "counters" else sweep()
+    if args.mode == "counters":
+        counters()
+    elif args.mode == "sweep":
+        sweep(SWEEP_POINTS)
+    else:
+        sweep(W1_SWEEP_POINTS, W1_HEADS, W1_TABLE_TOKENS)
 
 
 if __name__ == "__main__":
