@@ -119,9 +119,10 @@ def test_captured_in_cuda_graph(rows):
 @pytest.mark.parametrize("rows", [1, 2, 5])
 @pytest.mark.parametrize("in_graph", [False, True])
 def test_chained_products_read_finished_inputs(rows, in_graph):
-    """Each product reads the one before it, as in a decoder layer. A GEMV may be launched while
-    the kernel before it still drains (programmatic dependent launch) and must wait for it before
-    reading x: outputs are NaN until written, so an early read shows as NaN or a wrong product."""
+    """Each product reads the one before it, as in a decoder layer: outputs are NaN until
+    written, so a GEMV that read x before the kernel before it finished (e.g. a launch overlapped
+    with its predecessor, as the programmatic-dependent-launch experiment did) shows as NaN or a
+    wrong product."""
     k = 2048
     x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
     weights = [torch.randn(k, k, dtype=torch.bfloat16, device="cuda") / k**0.5 for _ in range(6)]
