@@ -12,7 +12,8 @@
 # Serially the whole set takes over 10 minutes per tool on an H100, so --shards N splits the
 # selected tests round-robin over N processes per tool (PAGEDKV_TEST_SHARD, tests/conftest.py),
 # all running at once: the sanitizer's cost is mostly host-side, and the machines have 16+ cores.
-# Each process is stopped after SANITIZE_TIMEOUT seconds (default 540), so a call returns its logs within a device call's limit.
+# Each process is stopped after SANITIZE_TIMEOUT seconds (default 540), so a call returns its
+# logs within a device call's limit.
 # Logs go to $OUT (else ./results): sanitize_<tool>_<group>[_<shard>].log, and one summary line
 # each in sanitize_summary.txt.
 # Usage: scripts/gpu_sanitize.sh [--shards N] memcheck|racecheck|both [GROUP] [-- pytest args]
