@@ -29,6 +29,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegBig = -1e30f;    // "no token yet": finite, so exp2f(kNegBig - x) is 0, not NaN
+constexpr float kRescaleSlack = 8.f;  // log2 units a score may exceed the running max unrescaled
 
 // How lanes share the work of one token row for element type T and head dim D, GQA group G.
 template <typename T, int D, int G>
@@ -87,6 +88,15 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float* f, float) {
   f[3] = __uint_as_float(raw.w);
 }
 
+// 2^x in one MUFU instruction. exp2f wraps the same instruction in a range check that produces
+// denormal results (4 instructions); a softmax weight or rescale factor under 2^-126, next to
+// the max's weight of 1, is flushed to 0 instead. Used in the main loop only.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ int clamp_context(const int* context_lens, int b, int max_tokens) {
   return min(max(context_lens[b], 0), max_tokens);
 }
@@ -98,6 +108,25 @@ __device__ __forceinline__ void store4(T* dst, const float (&o)[4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) v.v[j] = from_float<T>(o[j]);
   *reinterpret_cast<Vec<T, 4>*>(dst) = v;
+}
+
+// One round of a reduce-scatter over lanes `O` apart, then the rounds below it: a lane keeps the
+// upper half of its 2 * O values if it has bit O set, the lower half otherwise, and adds its
+// partner's copy of that half. After the round of O = 1, v[0] of the lane whose bits are i is
+// the sum of value i over the 2 * O lanes. (A template per round: a loop over O left the inner
+// loop's bounds unknown, and it was compiled as a loop indexing registers through moves.)
+template <int O, int N>
+__device__ __forceinline__ void reduce_scatter(float (&v)[N], int lane) {
+  if constexpr (O > 0) {
+    const bool upper = lane & O;
+#pragma unroll
+    for (int j = 0; j < O; ++j) {
+      const float send = upper ? v[j] : v[j + O];
+      const float keep = upper ? v[j + O] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    reduce_scatter<O / 2>(v, lane);
+  }
 }
 
 template <typename T, int D, int G>
@@ -203,6 +232,10 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   // Pipelined: the next iteration's K/V loads are issued before this iteration's arithmetic, so a
   // warp keeps bytes in flight while it computes (registers allowing: not the 8-head groups).
   constexpr bool kPipelined = G < 8;
+  // Scores summed by a reduce-scatter when a token's lanes hold as many scores as there are lanes
+  // (W1's and W3's shapes: 16 lanes, 2 x 8 or 4 x 4 scores); else by an all-reduce.
+  constexpr int kN = kSteps * G;
+  constexpr bool kScatter = kN == kLanes;
   int t0 = begin + warp * Tl::kTokensPerIter;
   fetch_blocks(t0);
   if constexpr (kPipelined) {
@@ -247,37 +280,96 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
         s[u][h] = dot;
       }
     }
+    if constexpr (kScatter) {
+      // Reduce-scatter (reduce_scatter above): lane `sub` ends with the whole score of token
+      // u = sub / G, head h = sub % G. kN - 1 shuffles where the all-reduce takes
+      // kN * log2(kLanes), and each score's softmax is computed once, not on every lane of the
+      // token.
+      float v[kN];
 #pragma unroll
-    for (int u = 0; u < kSteps; ++u) {
+      for (int u = 0; u < kSteps; ++u) {
 #pragma unroll
-      for (int h = 0; h < G; ++h) {
+        for (int h = 0; h < G; ++h) v[u * G + h] = s[u][h];
+      }
+      reduce_scatter<kLanes / 2>(v, sub);
+      const int my_u = sub / G, my_h = sub % G;
+      const bool my_valid = t0 + my_u * kSide + side < end;
+      float my_max = my_valid ? v[0] : kNegBig;  // over this head's tokens: lanes sub ^ (G << k)
 #pragma unroll
-        for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
-          s[u][h] += __shfl_xor_sync(0xffffffffu, s[u][h], offset);
+      for (int o = G; o < kLanes; o <<= 1) {
+        my_max = fmaxf(my_max, __shfl_xor_sync(0xffffffffu, my_max, o));
+      }
+      float m_mine = m[0];  // m[my_h], selected without indexing a register array
+#pragma unroll
+      for (int h = 1; h < G; ++h) m_mine = my_h == h ? m[h] : m_mine;
+      // Lazy rescaling: the running max moves only when a score exceeds it by more than
+      // kRescaleSlack (log2 units), so most iterations skip the rescale of acc and l (G exp2 and
+      // G * kE multiplies) and weights stay <= 2^kRescaleSlack, far from fp32's range. Any
+      // (max, sum, acc) with acc and sum relative to the same max merge correctly below.
+      const bool grows = my_max > m_mine + kRescaleSlack;
+      if (__any_sync(0xffffffffu, grows)) {  // warp-uniform: all lanes reach the shuffles
+        my_max = fmaxf(my_max, m_mine);
+        const float my_weight = my_valid ? fast_exp2(v[0] - my_max) : 0.f;
+        // Back to every lane of the token: the heads' new maxima (lane h holds u = 0, head h)
+        // and all probability weights, into s.
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          const float new_max = __shfl_sync(0xffffffffu, my_max, h, kLanes);
+          const float alpha = fast_exp2(m[h] - new_max);
+          m[h] = new_max;
+          l[h] *= alpha;
+#pragma unroll
+          for (int e = 0; e < kE; ++e) acc[h][e] *= alpha;
+#pragma unroll
+          for (int u = 0; u < kSteps; ++u) {
+            s[u][h] = __shfl_sync(0xffffffffu, my_weight, u * G + h, kLanes);
+            l[h] += s[u][h];
+          }
+        }
+      } else {
+        const float my_weight = my_valid ? fast_exp2(v[0] - m_mine) : 0.f;
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+#pragma unroll
+          for (int u = 0; u < kSteps; ++u) {
+            s[u][h] = __shfl_sync(0xffffffffu, my_weight, u * G + h, kLanes);
+            l[h] += s[u][h];
+          }
         }
       }
-    }
-
-    // Online softmax: new running max, rescale what was accumulated, add this iteration.
-    bool valid[kSteps];
-#pragma unroll
-    for (int u = 0; u < kSteps; ++u) valid[u] = t0 + u * kSide + side < end;
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      float new_max = m[h];
+    } else {
 #pragma unroll
       for (int u = 0; u < kSteps; ++u) {
-        if (valid[u]) new_max = fmaxf(new_max, s[u][h]);
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+#pragma unroll
+          for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
+            s[u][h] += __shfl_xor_sync(0xffffffffu, s[u][h], offset);
+          }
+        }
       }
-      const float alpha = exp2f(m[h] - new_max);
-      m[h] = new_max;
-      l[h] *= alpha;
+
+      // Online softmax: new running max, rescale what was accumulated, add this iteration.
+      bool valid[kSteps];
 #pragma unroll
-      for (int e = 0; e < kE; ++e) acc[h][e] *= alpha;
+      for (int u = 0; u < kSteps; ++u) valid[u] = t0 + u * kSide + side < end;
 #pragma unroll
-      for (int u = 0; u < kSteps; ++u) {
-        s[u][h] = valid[u] ? exp2f(s[u][h] - new_max) : 0.f;  // now the probability weight
-        l[h] += s[u][h];
+      for (int h = 0; h < G; ++h) {
+        float new_max = m[h];
+#pragma unroll
+        for (int u = 0; u < kSteps; ++u) {
+          if (valid[u]) new_max = fmaxf(new_max, s[u][h]);
+        }
+        const float alpha = fast_exp2(m[h] - new_max);
+        m[h] = new_max;
+        l[h] *= alpha;
+#pragma unroll
+        for (int e = 0; e < kE; ++e) acc[h][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < kSteps; ++u) {
+          s[u][h] = valid[u] ? fast_exp2(s[u][h] - new_max) : 0.f;  // now the probability weight
+          l[h] += s[u][h];
+        }
       }
     }
 #pragma unroll
