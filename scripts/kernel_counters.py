@@ -91,8 +91,8 @@ def counters() -> None:
 
 
 # (batch, context) points of the split sweep: batch 1 (W1's case), and batches whose automatic
-# split counts are small (W3's larger points) or in between.
-SWEEP_POINTS = [(1, 1024), (1, 8192), (1, 32768), (4, 8192), (16, 4096)]
+# split counts are small (W3's larger points, where several waves of CTAs run) or in between.
+SWEEP_POINTS = [(1, 1024), (1, 8192), (1, 32768), (4, 8192), (16, 4096), (64, 2048), (256, 1024)]
 # W1: (batch, context) with tables of 256 tokens; contexts at the start, middle and end of the run.
 W1_HEADS, W1_TABLE_TOKENS = (28, 4), 256
 W1_SWEEP_POINTS = [(1, 128), (1, 192), (1, 256), (8, 192), (32, 192)]

@@ -8,10 +8,9 @@
 namespace pagedkv::kernels {
 
 inline constexpr int kPagedMaxGroup = 8;     // query heads one CTA serves; larger groups chunked
-inline constexpr int kPagedMinSplitTokens = 64;  // below this, partial writes outweigh the gain
 
 // CTAs of 128 threads resident per SM: the kernel's launch bounds hold its registers to this
-// (65536 / (128 * n) per thread: 128, 170, 255), and the split heuristic plans one wave of them.
+// (65536 / (128 * n) per thread: 128, 170, 255), and the split heuristic plans with it.
 // Each query head of the group costs a lane 2 x 8 fp32 registers (query and output slices).
 constexpr int paged_ctas_per_sm(int padded_group) {
   return padded_group >= 8 ? 2 : padded_group >= 4 ? 3 : 4;
@@ -33,11 +32,33 @@ inline HeadGroups paged_head_groups(int num_q_heads, int num_kv_heads) {
   return g;
 }
 
-// Splits of each sequence's context (>= 1). The CTAs run in waves of num_sms *
-// paged_ctas_per_sm; a partial last wave leaves SMs idle, so take the fewest splits whose waves
-// are >= 95% full (8 sequences x 8 kv heads on 132 SMs: 48 splits, one wave; 256 x 8: 3 splits,
-// 15.5 of 16 waves), else the fullest. No split shorter than kPagedMinSplitTokens; all splits
-// the same whole number of blocks.
+// The fewest splits (each a whole number of blocks, at most max_blocks) whose CTAs fill their
+// waves of `slots` to >= 95%, else the fullest: a partial last wave leaves SMs idle.
+inline int64_t paged_splits_filling(int64_t ctas, int64_t slots, int64_t max_blocks) {
+  // Past slots / ctas + 20 splits every wave count is >= 20, so >= 95% full: no need to look.
+  const int64_t max_splits = std::min(max_blocks, slots / ctas + 20);
+  int64_t best = 1, best_num = 0, best_den = 1;  // fullness of the best so far: num / den
+  for (int64_t splits = 1; splits <= max_splits; ++splits) {
+    const int64_t blocks_per_split = (max_blocks + splits - 1) / splits;
+    const int64_t used = (max_blocks + blocks_per_split - 1) / blocks_per_split;
+    if (used != splits) continue;  // rounding to whole blocks gives the same as fewer splits
+    const int64_t work = ctas * splits;
+    const int64_t capacity = (work + slots - 1) / slots * slots;
+    if (20 * work >= 19 * capacity) return splits;
+    if (work * best_den > best_num * capacity) best = splits, best_num = work, best_den = capacity;
+  }
+  return best;
+}
+
+// Splits of each sequence's context (>= 1), from shapes only. Every SM should stream K/V, but a
+// CTA beyond the first on an SM pays its own prologue (context length -> block table -> K/V,
+// three dependent reads) and one more partial to merge, which only long splits repay. So: the
+// fewest splits that fill one CTA per SM, or k CTAs per SM (up to what the registers allow) where
+// each split then keeps >= 256 * (k - 1) tokens; none when the unsplit CTAs already run >= 4
+// waves (the tail wave costs less than the splits' merges). On the H100 (132 SMs) this gives what
+// a sweep of num_splits measured best or within 1% of it (docs/measurements.md, 2026-11-24):
+// W3 1x1024 16, 1x8192 32, 1x32768 48, 16x4096 3, 64x2048 3, 256x1024 1; W1 (28 q / 4 kv heads,
+// 16-block tables) batch 1 16, batch 8 4, batch 32 1.
 inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                                    int64_t block_size, int64_t max_blocks, int64_t num_sms) {
   if (batch <= 0 || num_kv_heads <= 0 || num_q_heads < num_kv_heads || block_size <= 0 ||
@@ -46,23 +67,16 @@ inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t n
   }
   const HeadGroups g =
       paged_head_groups(static_cast<int>(num_q_heads), static_cast<int>(num_kv_heads));
-  const int64_t ctas = batch * num_kv_heads * g.chunks;
-  const int64_t slots = num_sms * paged_ctas_per_sm(g.padded);
-  const int64_t min_blocks = std::max<int64_t>(1, kPagedMinSplitTokens / block_size);
-  // Past slots / ctas + 20 splits every wave count is >= 20, so >= 95% full: no need to look.
-  const int64_t max_splits =
-      std::min((max_blocks + min_blocks - 1) / min_blocks, slots / ctas + 20);
-  int64_t best = 1, best_num = 0, best_den = 1;  // fullness of the best so far: num / den
-  for (int64_t splits = 1; splits <= max_splits; ++splits) {
-    const int64_t blocks_per_split = (max_blocks + splits - 1) / splits;
-    const int64_t used = (max_blocks + blocks_per_split - 1) / blocks_per_split;
-    if (used != splits) continue;  // rounding to whole blocks gives the same as fewer splits
-    const int64_t work = ctas * splits;
-    const int64_t capacity = (work + slots - 1) / slots * slots;
-    if (20 * work >= 19 * capacity) return static_cast<int>(splits);
-    if (work * best_den > best_num * capacity) best = splits, best_num = work, best_den = capacity;
+  const int64_t ctas = batch * num_kv_heads * g.chunks;  // unsplit
+  const int max_per_sm = paged_ctas_per_sm(g.padded);
+  if (ctas >= 4 * num_sms * max_per_sm) return 1;
+  int64_t splits = paged_splits_filling(ctas, num_sms, max_blocks);
+  for (int per_sm = 2; per_sm <= max_per_sm; ++per_sm) {
+    const int64_t more = paged_splits_filling(ctas, per_sm * num_sms, max_blocks);
+    const int64_t tokens = (max_blocks + more - 1) / more * block_size;
+    if (tokens >= 256 * (per_sm - 1)) splits = more;
   }
-  return static_cast<int>(best);
+  return static_cast<int>(splits);
 }
 
 // The split path's workspace, in fp32 units: int32 merge counters per (sequence, query head),
