@@ -1,5 +1,7 @@
 """W3: paged decode attention alone. bf16, 32 q / 8 kv heads, head_dim 128, block 16, every
-sequence of the batch at the full context, physical blocks shuffled. Side by side in one run:
+sequence of the batch at the full context, physical blocks shuffled (`--table sequential`: each
+sequence's blocks in order, one after another, as a fresh cache allocates them; what the shuffle
+costs in DRAM locality). Side by side in one run:
 
 - pagedkv.ops.paged_decode_attention (CUDA graph replay, workspace preallocated);
 - the HF way: gather the blocks into dense K/V, then scaled_dot_product_attention;
@@ -17,6 +19,7 @@ calls rotate among copies of the caches totalling > 4x the L2 ("cache copies"), 
 reads K/V from memory, as in a model step.
 
     python benchmarks/bench_attention.py [--out DIR] [--device cuda|cpu] [--small]
+                                         [--table shuffled|sequential]
 --small runs small sizes (the default on the CPU), to smoke-test the script without a GPU.
 Prints and saves bench_attention.md and bench_attention.png.
 """
@@ -86,7 +89,7 @@ def time_us(calls, device) -> float:
         return median_time_us(fn, device, graph=False)
 
 
-def bench_point(batch: int, context: int, device: str) -> dict:
+def bench_point(batch: int, context: int, device: str, table_order: str = "shuffled") -> dict:
     max_blocks = context // BLOCK_SIZE
     num_blocks = batch * max_blocks
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -96,7 +99,8 @@ def bench_point(batch: int, context: int, device: str) -> dict:
     copies = copies_past_l2(kv_bytes, device)
     caches = [(torch.randn(shape, dtype=DTYPE, device=device), torch.randn(shape, dtype=DTYPE, device=device))
               for _ in range(copies)]
-    table = torch.randperm(num_blocks, device=device).view(batch, max_blocks).to(torch.int32)
+    order = torch.randperm if table_order == "shuffled" else torch.arange
+    table = order(num_blocks, device=device).view(batch, max_blocks).to(torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     scale = HEAD_DIM**-0.5
@@ -158,6 +162,8 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small sizes (always on the CPU)")
+    parser.add_argument("--table", choices=["shuffled", "sequential"], default="shuffled",
+                        help="physical block order of the block tables (default shuffled)")
     args = parser.parse_args()
     device = args.device
     small = args.small or device == "cpu"
@@ -166,7 +172,7 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs(device, nbytes=(1 << 26) if small else (1 << 30))
     rows, notes = [], []
     for batch, context in SMALL_POINTS if small else POINTS:
-        r = bench_point(batch, context, device)
+        r = bench_point(batch, context, device, args.table)
         rows.append(r)
         if r.get("flashinfer_note"):  # why it did not run (once), or its accuracy (per point)
             notes.append(r["flashinfer_note"] if r["flashinfer_us"] is None else f"{r['point']}: {r['flashinfer_note']}")
@@ -185,7 +191,8 @@ def main() -> None:
                    max(r["max_diff"], r["max_diff_prefill"])] for r in rows]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     title = (f"W3 paged decode attention, {str(DTYPE).removeprefix('torch.')}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, "
-             f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, {name}; copy bandwidth {copy_gbs:.0f} GB/s")
+             f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, {args.table} blocks, {name}; "
+             f"copy bandwidth {copy_gbs:.0f} GB/s")
     text = markdown_table(header, table_rows)
     if notes:
         text += "\n\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes))
