@@ -2,14 +2,15 @@
 // serves all query heads of that kv head (GQA: each K/V row is read once for the whole group).
 //
 // Inside a CTA, 4 warps take turns over the split's tokens. A token row of one kv head
-// (head_dim elements) is read by kLanes lanes with 16-byte loads, so a warp reads
-// 32 / kLanes tokens side by side and kSteps of those per iteration: every lane has kSteps K
-// and kSteps V loads in flight before it computes. (Double-buffering them, half as many per
-// iteration to stay in registers, measured 3-5% slower at large batch on an H100.) Each lane
-// keeps the scaled query slice of every head of the group and an fp32 online softmax (max, sum,
-// output slice) for the tokens its lane group saw; at the end the lane groups merge by shuffles,
-// the warps through shared memory.
-// Scores are kept in log2 units (the query is pre-scaled by scale * log2(e)), so exp2f suffices.
+// (head_dim elements) is read by kLanes lanes with 16-byte loads that bypass L1 (every row is
+// read once), so a warp reads 32 / kLanes tokens side by side and kSteps of those per iteration:
+// every lane has kSteps K and kSteps V loads in flight before it computes, and the next
+// iteration's too where registers allow. Each lane keeps the scaled query slice of every head of
+// the group and an fp32 online softmax (max, sum, output slice) for the tokens its lane group saw;
+// at the end the lane groups merge by shuffles, the warps through shared memory. (Staging K/V in
+// shared memory instead, by cp.async or by the copy engine, measured no faster on an H100:
+// docs/measurements.md.)
+// Scores are kept in log2 units (the query is pre-scaled by scale * log2(e)), so exp2 suffices.
 //
 // With num_splits > 1 each CTA of a sequence that spans several splits writes its normalized
 // partial output and (max, sum) to the workspace, and the last CTA of the sequence's head chunk
