@@ -310,7 +310,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
       for (int o = G; o < kLanes; o <<= 1) {
         my_max = fmaxf(my_max, __shfl_xor_sync(0xffffffffu, my_max, o));
       }
-      float m_mine = m[0];  // m[my_h], selected without indexing a register array
+      float m_mine = m[0];  // m[my_h] (picked without indexing a register array), then its new max
 #pragma unroll
       for (int h = 1; h < G; ++h) m_mine = my_h == h ? m[h] : m_mine;
       // Lazy rescaling: the running max moves only when a score exceeds it by more than
@@ -319,33 +319,26 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
       // (max, sum, acc) with acc and sum relative to the same max merge correctly below.
       const bool grows = my_max > m_mine + kRescaleSlack;
       if (__any_sync(0xffffffffu, grows)) {  // warp-uniform: all lanes reach the shuffles
-        my_max = fmaxf(my_max, m_mine);
-        const float my_weight = my_valid ? fast_exp2(v[0] - my_max) : 0.f;
-        // Back to every lane of the token: the heads' new maxima (lane h holds u = 0, head h)
-        // and all probability weights, into s.
+        m_mine = fmaxf(my_max, m_mine);
+        // The heads' new maxima back to every lane of the token (lane h holds u = 0, head h).
 #pragma unroll
         for (int h = 0; h < G; ++h) {
-          const float new_max = __shfl_sync(0xffffffffu, my_max, h, kLanes);
+          const float new_max = __shfl_sync(0xffffffffu, m_mine, h, kLanes);
           const float alpha = fast_exp2(m[h] - new_max);
           m[h] = new_max;
           l[h] *= alpha;
 #pragma unroll
           for (int e = 0; e < kE; ++e) acc[h][e] *= alpha;
-#pragma unroll
-          for (int u = 0; u < kSteps; ++u) {
-            s[u][h] = __shfl_sync(0xffffffffu, my_weight, u * G + h, kLanes);
-            l[h] += s[u][h];
-          }
         }
-      } else {
-        const float my_weight = my_valid ? fast_exp2(v[0] - m_mine) : 0.f;
+      }
+      // All probability weights back to every lane of the token, into s.
+      const float my_weight = my_valid ? fast_exp2(v[0] - m_mine) : 0.f;
 #pragma unroll
-        for (int h = 0; h < G; ++h) {
+      for (int h = 0; h < G; ++h) {
 #pragma unroll
-          for (int u = 0; u < kSteps; ++u) {
-            s[u][h] = __shfl_sync(0xffffffffu, my_weight, u * G + h, kLanes);
-            l[h] += s[u][h];
-          }
+        for (int u = 0; u < kSteps; ++u) {
+          s[u][h] = __shfl_sync(0xffffffffu, my_weight, u * G + h, kLanes);
+          l[h] += s[u][h];
         }
       }
     } else {
