@@ -1,0 +1,319 @@
+// How fast can a kernel read W3's K/V from an H100's memory, by load structure? A diagnostic for
+// issue 4 (paged decode stays 3-5% under dense SDPA from 16x4096 up while its loads alone read no
+// faster than the whole kernel). No arithmetic: each lane folds what it reads into one xor
+// (`compute` adds stand-in FMAs and shuffles per piece, below).
+//
+// For each W3 point (bf16, 8 kv heads, head_dim 128, block 16) and layout:
+//   dense:   each (sequence, kv head) stream of K (and of V) is contiguous, [B, Hkv, S, D], the
+//            layout dense SDPA reads in bench_attention.py;
+//   paged:   token-major blocks [num_blocks, 16, Hkv, D] (pagedkv's cache) in shuffled order
+//            through a block table;
+//   paged-hm: head-major blocks [num_blocks, Hkv, 16, D] (a kv head's block is 4 KB in one run),
+//            shuffled the same way,
+// it times, per structure:
+//   regs U:       a warp issues U 16-byte loads per lane into registers, then folds them (the
+//                 block table is read right before each load here, where the decode kernel
+//                 reads it an iteration ahead: these variants are a floor for the kernel);
+//   regs2 U:      the same software-pipelined (the next U issued before the current are folded):
+//                 the paged decode kernel's structure is regs2 8 at 3 CTAs of 4 warps per SM;
+//   ring SxU:     cp.async into a per-warp shared-memory ring of S stages of U loads per lane
+//                 (warp-private: no CTA barrier), folded from shared memory;
+// at 1-4 CTAs of 128 threads per SM (held by dynamic shared memory) and 1 or more splits of each
+// stream across CTAs. GB/s counts the K and V bytes read. Each time is the median over 20 event
+// pairs around 10 launches back to back (so launch gaps are amortized, as in bench_attention.py's
+// CUDA-graph replays; consecutive launches read the same bytes, far past the 50 MB L2 at the
+// points below but 1x32768's).
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -o read_probe scripts/read_probe.cu
+//   ./read_probe > read_probe.md; ./read_probe compute > read_probe_compute.md
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#define CHECK(x)                                                                        \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+constexpr int kHkv = 8, kRowBytes = 256, kBlock = 16, kThreads = 128, kWarps = kThreads / 32;
+
+struct Shape {
+  const int* table;   // [B, max_blocks] physical blocks (paged)
+  const char* k;      // K bytes
+  const char* v;      // V bytes
+  int batch, ctx, max_blocks, splits, layout;  // layout: 0 dense, 1 paged, 2 paged-hm
+  unsigned* sink;
+};
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// Byte offset of token t's 16-byte piece `sub` for stream (b, h).
+__device__ __forceinline__ int64_t offset(const Shape& s, int b, int h, int t, int sub) {
+  if (s.layout != 0) {
+    const int64_t block = __ldg(s.table + static_cast<int64_t>(b) * s.max_blocks + (t >> 4));
+    const int64_t row = s.layout == 1 ? (block * kBlock + (t & 15)) * kHkv + h   // token-major
+                                      : (block * kHkv + h) * kBlock + (t & 15);  // head-major
+    return row * kRowBytes + sub * 16;
+  }
+  return ((static_cast<int64_t>(b) * kHkv + h) * s.ctx + t) * kRowBytes + sub * 16;
+}
+
+struct Work {
+  int b, h, begin, end;
+};
+__device__ __forceinline__ Work work_of(const Shape& s) {
+  const int split = blockIdx.x % s.splits;
+  const int stream = blockIdx.x / s.splits;
+  const int per = (s.ctx / s.splits + kBlock - 1) / kBlock * kBlock;
+  Work w{stream / kHkv, stream % kHkv, split * per, min(split * per + per, s.ctx)};
+  return w;
+}
+
+// What a lane does with a 16-byte piece: fold it into one word (W = 0), or first run W FMAs on
+// it in 4 independent chains and X warp shuffles, a stand-in for the decode kernel's arithmetic
+// (~56 instructions a piece at W3's shapes, ~4 of them shuffles) that holds the warp between its
+// waits.
+template <int W, int X = 0>
+__device__ __forceinline__ unsigned work(const uint4& x) {
+  if constexpr (W == 0) {
+    return x.x ^ x.y ^ x.z ^ x.w;
+  } else {
+    float a = __uint_as_float(x.x), b = __uint_as_float(x.y), c = __uint_as_float(x.z),
+          d = __uint_as_float(x.w);
+#pragma unroll
+    for (int i = 0; i < W / 4; ++i) {
+      a = fmaf(a, 0.999f, 1e-3f);
+      b = fmaf(b, 0.999f, 1e-3f);
+      c = fmaf(c, 0.999f, 1e-3f);
+      d = fmaf(d, 0.999f, 1e-3f);
+    }
+#pragma unroll
+    for (int i = 0; i < X; ++i) a += __shfl_xor_sync(0xffffffffu, b, 1 << (i % 4));
+    return __float_as_uint(a + b + c + d);
+  }
+}
+
+// U loads per lane per iteration: U / 2 tokens' K and V pieces for each half-warp (16 lanes per
+// 256-byte row, 2 rows side by side), so a warp covers U tokens per iteration.
+template <int U, bool kPipelined, int W = 0, int X = 0>
+__global__ void __launch_bounds__(kThreads) regs_kernel(Shape s) {
+  const Work w = work_of(s);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int side = lane / 16, sub = lane % 16;
+  unsigned acc = 0;
+  uint4 kr[U / 2], vr[U / 2];
+  auto issue = [&](int base) {
+#pragma unroll
+    for (int j = 0; j < U / 2; ++j) {
+      const int t = min(base + 2 * j + side, w.end - 1);
+      const int64_t off = offset(s, w.b, w.h, t, sub);
+      kr[j] = ld_stream(s.k + off);
+      vr[j] = ld_stream(s.v + off);
+    }
+  };
+  auto fold = [&](const uint4 (&k)[U / 2], const uint4 (&v)[U / 2]) {
+#pragma unroll
+    for (int j = 0; j < U / 2; ++j) acc ^= work<W, X>(k[j]) ^ work<W, X>(v[j]);
+  };
+  constexpr int kStride = kWarps * U;
+  int t0 = w.begin + warp * U;
+  if (kPipelined && t0 < w.end) issue(t0);
+  for (; t0 < w.end; t0 += kStride) {
+    if (!kPipelined) issue(t0);
+    uint4 kc[U / 2], vc[U / 2];
+#pragma unroll
+    for (int j = 0; j < U / 2; ++j) kc[j] = kr[j], vc[j] = vr[j];
+    if (kPipelined && t0 + kStride < w.end) issue(t0 + kStride);
+    fold(kc, vc);
+  }
+  if (acc == 0x9e3779b9u) s.sink[blockIdx.x] = acc;  // never: keeps the loads
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
+}
+
+// A warp-private ring: S stages, each U 16-byte pieces per lane (U tokens per warp). A lane reads
+// back only what it copied, so its own wait_group is all the synchronisation needed.
+template <int S, int U, int W = 0, int X = 0>
+__global__ void __launch_bounds__(kThreads) ring_kernel(Shape s) {
+  extern __shared__ uint4 ring[];  // [kWarps][S][U][32]
+  const Work w = work_of(s);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int side = lane / 16, sub = lane % 16;
+  uint4* mine = ring + static_cast<int64_t>(warp) * S * U * 32 + lane;
+  unsigned acc = 0;
+  constexpr int kStride = kWarps * U;
+  auto issue = [&](int base, int stage) {
+#pragma unroll
+    for (int j = 0; j < U / 2; ++j) {
+      const int t = min(base + 2 * j + side, w.end - 1);
+      const int64_t off = offset(s, w.b, w.h, t, sub);
+      cp_async16(mine + (stage * U + 2 * j) * 32, s.k + off);
+      cp_async16(mine + (stage * U + 2 * j + 1) * 32, s.v + off);
+    }
+  };
+  const int first = w.begin + warp * U;
+  // Prologue: S - 1 stages in flight (empty groups past the end keep the count uniform).
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (first + st * kStride < w.end) issue(first + st * kStride, st);
+    asm volatile("cp.async.commit_group;");
+  }
+  int stage = 0;
+  for (int t0 = first; t0 < w.end; t0 += kStride) {
+    const int ahead = t0 + (S - 1) * kStride;
+    if (ahead < w.end) issue(ahead, (stage + S - 1) % S);
+    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.wait_group %0;" ::"n"(S - 1));
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      acc ^= work<W, X>(mine[(stage * U + j) * 32]);
+    }
+    stage = (stage + 1) % S;
+  }
+  asm volatile("cp.async.wait_all;");
+  if (acc == 0x9e3779b9u) s.sink[blockIdx.x] = acc;
+}
+
+struct Variant {
+  const char* name;
+  void (*kernel)(Shape);
+  int own_smem;  // bytes of shared memory the structure itself uses per CTA
+};
+
+template <int U, bool P, int W = 0, int X = 0>
+Variant regs(const char* name) {
+  return {name, regs_kernel<U, P, W, X>, 0};
+}
+template <int S, int U, int W = 0, int X = 0>
+Variant ring(const char* name) {
+  return {name, ring_kernel<S, U, W, X>, kWarps * S * U * 32 * 16};
+}
+
+float time_ms(const Variant& var, const Shape& s, int ctas_per_sm, int smem_per_sm) {
+  // Shared memory per CTA so that at most ctas_per_sm fit on an SM (1 KB per CTA is reserved).
+  int smem = std::max(var.own_smem, smem_per_sm / ctas_per_sm - 1024 - 256);
+  if (ctas_per_sm * (std::max(var.own_smem, 0) + 1024) > smem_per_sm) return -1.f;
+  CHECK(cudaFuncSetAttribute(var.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int fit = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, var.kernel, kThreads, smem));
+  if (fit != ctas_per_sm) return -1.f;
+  const int grid = s.batch * kHkv * s.splits;
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  constexpr int kLaunches = 10;
+  for (int rep = 0; rep < 22; ++rep) {
+    CHECK(cudaEventRecord(e0));
+    for (int i = 0; i < kLaunches; ++i) var.kernel<<<grid, kThreads, smem>>>(s);
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (rep >= 2) ms.push_back(t / kLaunches);
+  }
+  CHECK(cudaGetLastError());
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  // "compute": the paged layout at 3 CTAs per SM (the decode kernel's W3 occupancy), each
+  // structure with 0 or 48 FMAs a piece and 0, 4 or 8 shuffles: does arithmetic between the
+  // waits cost a ring its lead over registers?
+  const bool compute = argc > 1 && std::strcmp(argv[1], "compute") == 0;
+  int smem_per_sm = 0, sms = 0;
+  CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# read_probe: %s, %d SMs, %d KB shared memory per SM\n\n", prop.name, sms,
+              smem_per_sm / 1024);
+
+  const std::vector<Variant> variants =
+      compute ? std::vector<Variant>{regs<8, true, 0>("regs2 8"),
+                                     regs<8, true, 48>("regs2 8 +48"),
+                                     regs<8, true, 48, 4>("regs2 8 +48 +4 shfl"),
+                                     regs<8, true, 48, 8>("regs2 8 +48 +8 shfl"),
+                                     ring<2, 8, 0>("ring 2x8"),
+                                     ring<2, 8, 48>("ring 2x8 +48"),
+                                     ring<2, 8, 48, 4>("ring 2x8 +48 +4 shfl"),
+                                     ring<2, 8, 48, 8>("ring 2x8 +48 +8 shfl"),
+                                     ring<4, 8, 48, 4>("ring 4x8 +48 +4 shfl")}
+              : std::vector<Variant>{regs<8, false>("regs 8"),   regs<32, false>("regs 32"),
+                                     regs<8, true>("regs2 8"),   regs<16, true>("regs2 16"),
+                                     ring<2, 8>("ring 2x8"),     ring<4, 8>("ring 4x8"),
+                                     ring<4, 16>("ring 4x16")};
+  struct Point {
+    int batch, ctx;
+    std::vector<int> splits;
+  };
+  const std::vector<Point> points = {{16, 4096, {1, 3}}, {64, 2048, {1, 3}}, {256, 1024, {1, 2}},
+                                     {1, 32768, {48}}};
+  std::mt19937 rng(0);
+  for (const Point& p : points) {
+    const int max_blocks = p.ctx / kBlock, num_blocks = p.batch * max_blocks;
+    const size_t bytes = static_cast<size_t>(num_blocks) * kBlock * kHkv * kRowBytes;
+    std::vector<int> table(num_blocks);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng);
+    int* d_table;
+    char *k, *v;
+    unsigned* sink;
+    CHECK(cudaMalloc(&d_table, num_blocks * sizeof(int)));
+    CHECK(cudaMemcpy(d_table, table.data(), num_blocks * sizeof(int), cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&k, bytes));
+    CHECK(cudaMalloc(&v, bytes));
+    CHECK(cudaMemset(k, 1, bytes));
+    CHECK(cudaMemset(v, 2, bytes));
+    CHECK(cudaMalloc(&sink, 1 << 20));
+    std::printf("## %dx%d (K+V %.0f MB), GB/s\n\n", p.batch, p.ctx, 2.0 * bytes / 1e6);
+    std::printf("| layout | splits | CTAs/SM |");
+    for (const Variant& var : variants) std::printf(" %s |", var.name);
+    std::printf("\n|---|---|---|");
+    for (size_t i = 0; i < variants.size(); ++i) std::printf("---|");
+    std::printf("\n");
+    const char* layouts[] = {"dense", "paged", "paged-hm"};
+    for (int layout = compute ? 1 : 0; layout < (compute ? 2 : 3); ++layout) {
+      for (int splits : p.splits) {
+        for (int per_sm = compute ? 3 : 1; per_sm <= (compute ? 3 : 4); ++per_sm) {
+          Shape s{d_table, k, v, p.batch, p.ctx, max_blocks, splits, layout, sink};
+          std::printf("| %s | %d | %d |", layouts[layout], splits, per_sm);
+          for (const Variant& var : variants) {
+            const float ms = time_ms(var, s, per_sm, smem_per_sm);
+            if (ms < 0) std::printf(" - |");
+            else std::printf(" %.0f |", 2.0 * bytes / (ms * 1e-3) / 1e9);
+          }
+          std::printf("\n");
+          std::fflush(stdout);
+        }
+      }
+    }
+    std::printf("\n");
+    CHECK(cudaFree(d_table));
+    CHECK(cudaFree(k));
+    CHECK(cudaFree(v));
+    CHECK(cudaFree(sink));
+  }
+  return 0;
+}
