@@ -56,6 +56,8 @@ struct Shape {
   unsigned* sink;
 };
 
+// The decode kernel's K/V load (load16_stream in csrc/kernels/paged_attention.cu, file-local
+// there; this program builds with nvcc alone, without pagedkv's sources).
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
