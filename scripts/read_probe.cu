@@ -24,7 +24,7 @@
 // CUDA-graph replays; consecutive launches read the same bytes, far past the 50 MB L2 at the
 // points below but 1x32768's).
 //
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -o read_probe scripts/read_probe.cu
+//   nvcc -O3 -gencode=arch=compute_90,code=sm_90 -Icsrc -o read_probe scripts/read_probe.cu
 //   ./read_probe > read_probe.md; ./read_probe compute > read_probe_compute.md
 #include <cuda_runtime.h>
 
@@ -36,6 +36,10 @@
 #include <numeric>
 #include <random>
 #include <vector>
+
+#include "kernels/common.cuh"
+
+using pagedkv::kernels::load16_stream;  // the decode kernel's K/V load, timed here as it is
 
 #define CHECK(x)                                                                        \
   do {                                                                                  \
@@ -56,15 +60,6 @@ struct Shape {
   unsigned* sink;
 };
 
-// The decode kernel's K/V load (load16_stream in csrc/kernels/paged_attention.cu, file-local
-// there; this program builds with nvcc alone, without pagedkv's sources).
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
 
 // Byte offset of token t's 16-byte piece `sub` for stream (b, h).
 __device__ __forceinline__ int64_t offset(const Shape& s, int b, int h, int t, int sub) {
@@ -126,8 +121,8 @@ __global__ void __launch_bounds__(kThreads) regs_kernel(Shape s) {
     for (int j = 0; j < U / 2; ++j) {
       const int t = min(base + 2 * j + side, w.end - 1);
       const int64_t off = offset(s, w.b, w.h, t, sub);
-      kr[j] = ld_stream(s.k + off);
-      vr[j] = ld_stream(s.v + off);
+      kr[j] = load16_stream(s.k + off);
+      vr[j] = load16_stream(s.v + off);
     }
   };
   auto fold = [&](const uint4 (&k)[U / 2], const uint4 (&v)[U / 2]) {

@@ -61,16 +61,6 @@ __device__ __forceinline__ uint4 load16(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-// A K/V row piece: read once per call, so it skips L1 (no_allocate), and a miss asks L2 for the
-// whole 256-byte window around it (a token's row of one kv head at head_dim 128, bf16).
-__device__ __forceinline__ uint4 load16_stream(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
 // 16 loaded bytes -> 16 / sizeof(T) floats. bf16 is the top half of an fp32, so one shift or
 // mask per element (going through __nv_bfloat16 values costs ~3 instructions per element).
 __device__ __forceinline__ void unpack16(const uint4& raw, float* f, __nv_bfloat16) {
