@@ -16,6 +16,8 @@
 //                 reads it an iteration ahead: these variants are a floor for the kernel);
 //   regs2 U:      the same software-pipelined (the next U issued before the current are folded):
 //                 the paged decode kernel's structure is regs2 8 at 3 CTAs of 4 warps per SM;
+//   regsdb U:     regs2 with two register buffers taking turns (the next U issued before the
+//                 wait for the current: two iterations in flight while a warp waits);
 //   ring SxU:     cp.async into a per-warp shared-memory ring of S stages of U loads per lane
 //                 (warp-private: no CTA barrier), folded from shared memory;
 // at 1-4 CTAs of 128 threads per SM (held by dynamic shared memory) and 1 or more splits of each
@@ -143,6 +145,44 @@ __global__ void __launch_bounds__(kThreads) regs_kernel(Shape s) {
   if (acc == 0x9e3779b9u) s.sink[blockIdx.x] = acc;  // never: keeps the loads
 }
 
+// regs2's pipeline with two register buffers taking turns (the loop unrolled by two), so the
+// next U loads are issued before the wait for the current: two iterations in flight while a warp
+// waits, as in a 2-stage ring, where regs2's copy waits for the current loads before it issues
+// the next.
+template <int U, int W = 0, int X = 0>
+__global__ void __launch_bounds__(kThreads) regs_db_kernel(Shape s) {
+  const Work w = work_of(s);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int side = lane / 16, sub = lane % 16;
+  unsigned acc = 0;
+  uint4 k0[U / 2], v0[U / 2], k1[U / 2], v1[U / 2];
+  auto issue = [&](uint4 (&kr)[U / 2], uint4 (&vr)[U / 2], int base) {
+#pragma unroll
+    for (int j = 0; j < U / 2; ++j) {
+      const int t = min(base + 2 * j + side, w.end - 1);
+      const int64_t off = offset(s, w.b, w.h, t, sub);
+      kr[j] = load16_stream(s.k + off);
+      vr[j] = load16_stream(s.v + off);
+    }
+  };
+  auto fold = [&](const uint4 (&k)[U / 2], const uint4 (&v)[U / 2]) {
+#pragma unroll
+    for (int j = 0; j < U / 2; ++j) acc ^= work<W, X>(k[j]) ^ work<W, X>(v[j]);
+  };
+  constexpr int kStride = kWarps * U;
+  int t0 = w.begin + warp * U;
+  if (t0 < w.end) issue(k0, v0, t0);
+  for (; t0 < w.end; t0 += 2 * kStride) {
+    const int t1 = t0 + kStride;
+    if (t1 < w.end) issue(k1, v1, t1);
+    fold(k0, v0);
+    if (t1 >= w.end) break;
+    if (t1 + kStride < w.end) issue(k0, v0, t1 + kStride);
+    fold(k1, v1);
+  }
+  if (acc == 0x9e3779b9u) s.sink[blockIdx.x] = acc;
+}
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
@@ -201,6 +241,10 @@ template <int U, bool P, int W = 0, int X = 0>
 Variant regs(const char* name) {
   return {name, regs_kernel<U, P, W, X>, 0};
 }
+template <int U, int W = 0, int X = 0>
+Variant regs_db(const char* name) {
+  return {name, regs_db_kernel<U, W, X>, 0};
+}
 template <int S, int U, int W = 0, int X = 0>
 Variant ring(const char* name) {
   return {name, ring_kernel<S, U, W, X>, kWarps * S * U * 32 * 16};
@@ -252,6 +296,8 @@ int main(int argc, char** argv) {
                                      regs<8, true, 48>("regs2 8 +48"),
                                      regs<8, true, 48, 4>("regs2 8 +48 +4 shfl"),
                                      regs<8, true, 48, 8>("regs2 8 +48 +8 shfl"),
+                                     regs_db<8, 0>("regsdb 8"),
+                                     regs_db<8, 48, 4>("regsdb 8 +48 +4 shfl"),
                                      ring<2, 8, 0>("ring 2x8"),
                                      ring<2, 8, 48>("ring 2x8 +48"),
                                      ring<2, 8, 48, 4>("ring 2x8 +48 +4 shfl"),
@@ -259,6 +305,7 @@ int main(int argc, char** argv) {
                                      ring<4, 8, 48, 4>("ring 4x8 +48 +4 shfl")}
               : std::vector<Variant>{regs<8, false>("regs 8"),   regs<32, false>("regs 32"),
                                      regs<8, true>("regs2 8"),   regs<16, true>("regs2 16"),
+                                     regs_db<8>("regsdb 8"),     regs_db<16>("regsdb 16"),
                                      ring<2, 8>("ring 2x8"),     ring<4, 8>("ring 4x8"),
                                      ring<4, 16>("ring 4x16")};
   struct Point {

@@ -22,15 +22,13 @@
 
 #include "kernels/common.cuh"
 #include "kernels/paged_attention.h"
+#include "kernels/paged_decode_common.cuh"
+#include "kernels/paged_decode_mma.cuh"
 
 namespace pagedkv::kernels {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNegBig = -1e30f;    // "no token yet": finite, so exp2f(kNegBig - x) is 0, not NaN
-constexpr float kRescaleSlack = 8.f;  // log2 units a score may exceed the running max unrescaled
+using namespace decode;
 
 // How lanes share the work of one token row for element type T and head dim D, GQA group G.
 template <typename T, int D, int G>
@@ -89,15 +87,6 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float* f, float) {
   f[3] = __uint_as_float(raw.w);
 }
 
-// 2^x in one MUFU instruction. exp2f wraps the same instruction in a range check that produces
-// denormal results (4 instructions); a softmax weight or rescale factor under 2^-126, next to
-// the max's weight of 1, is flushed to 0 instead. Used in the main loop only.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 __device__ __forceinline__ int clamp_context(const int* context_lens, int b, int max_tokens) {
   return min(max(context_lens[b], 0), max_tokens);
 }
@@ -130,42 +119,16 @@ __device__ __forceinline__ void reduce_scatter(float (&v)[N], int lane) {
   }
 }
 
+// The CUDA-core main loop: one warp's share of the split [begin, end), left in s_acc, s_max and
+// s_sum as mma_warp_loop leaves it.
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(kThreads, paged_ctas_per_sm(G))
-paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
+__device__ __forceinline__ void simt_warp_loop(const PagedDecodeArgs& a, const Plan& plan, int b,
+                                               int kv_head, int head0, int heads, int begin,
+                                               int end, float (*s_acc)[G][D], float (*s_max)[G],
+                                               float (*s_sum)[G]) {
   using Tl = Tile<T, D, G>;
   constexpr int kVec = Tl::kVec, kLanes = Tl::kLanes, kNv = Tl::kVecsPerLane, kE = Tl::kElems;
   constexpr int kSide = Tl::kTokensSideBySide, kSteps = Tl::kSteps;
-
-  // blockIdx.x = ((b * num_kv_heads + kv_head) * num_splits + split) * head_chunks + chunk:
-  // the CTAs that read the same K/V rows are neighbours (L2 serves the other head chunks).
-  int idx = blockIdx.x;
-  const int chunk = idx % plan.head_chunks;
-  idx /= plan.head_chunks;
-  const int split = idx % a.num_splits;
-  idx /= a.num_splits;
-  const int kv_head = idx % a.num_kv_heads;
-  const int b = idx / a.num_kv_heads;
-
-  const int ctx = clamp_context(a.context_lens, b, plan.max_tokens);
-  const int begin = split * plan.tokens_per_split;
-  const int end = min(begin + plan.tokens_per_split, ctx);
-  const int head0 = kv_head * plan.group_size + chunk * plan.chunk_heads;  // first query head
-  const int heads = min(plan.chunk_heads, plan.group_size - chunk * plan.chunk_heads);
-
-  T* out = static_cast<T*>(a.out) + b * a.out_stride_row + head0 * a.out_stride_h;
-  if (begin >= end) {
-    // Nothing to read. Split 0 of a padding row (context 0) writes its zeros; other splits past
-    // the context are not counted by the merge below.
-    if (split == 0) {
-      const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int i = threadIdx.x; i < heads * (D / 4); i += kThreads) {
-        store4(out + (i / (D / 4)) * a.out_stride_h + (i % (D / 4)) * 4, zero);
-      }
-    }
-    return;
-  }
-
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int side = lane / kLanes;  // which of the side-by-side tokens this lane reads
@@ -399,10 +362,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
     }
   }
 
-  // Merge the warps through shared memory; then each thread finishes 4 outputs of one head.
-  __shared__ __align__(16) float s_acc[kWarps][G][D];
-  __shared__ float s_max[kWarps][G];
-  __shared__ float s_sum[kWarps][G];
+  // The warp's share to shared memory, merged by the caller.
   if (side == 0) {
 #pragma unroll
     for (int h = 0; h < G; ++h) {
@@ -417,7 +377,66 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
       }
     }
   }
+}
+
+// Shared memory of paged_decode_kernel's merge: the warps' [kWarps][G][D] partial outputs; with
+// kMma, at least the main loop's rings (the same bytes). Static: a launch with dynamic shared
+// memory instead ran the tensor-core loop 12% slower on an H100 (docs/measurements.md).
+template <typename T, int D, int G, bool kMma>
+constexpr int smem_bytes() {
+  constexpr int merge = kWarps * G * D * static_cast<int>(sizeof(float));
+  return kMma ? std::max(merge, ring_bytes<T, D>()) : merge;
+}
+
+// kMma: the tensor-core main loop (paged_decode_mma.cuh) instead of the CUDA-core one above.
+template <typename T, int D, int G, bool kMma>
+__global__ void __launch_bounds__(kThreads, paged_ctas_per_sm(G))
+paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
+
+  // blockIdx.x = ((b * num_kv_heads + kv_head) * num_splits + split) * head_chunks + chunk:
+  // the CTAs that read the same K/V rows are neighbours (L2 serves the other head chunks).
+  int idx = blockIdx.x;
+  const int chunk = idx % plan.head_chunks;
+  idx /= plan.head_chunks;
+  const int split = idx % a.num_splits;
+  idx /= a.num_splits;
+  const int kv_head = idx % a.num_kv_heads;
+  const int b = idx / a.num_kv_heads;
+
+  const int ctx = clamp_context(a.context_lens, b, plan.max_tokens);
+  const int begin = split * plan.tokens_per_split;
+  const int end = min(begin + plan.tokens_per_split, ctx);
+  const int head0 = kv_head * plan.group_size + chunk * plan.chunk_heads;  // first query head
+  const int heads = min(plan.chunk_heads, plan.group_size - chunk * plan.chunk_heads);
+
+  T* out = static_cast<T*>(a.out) + b * a.out_stride_row + head0 * a.out_stride_h;
+  if (begin >= end) {
+    // Nothing to read. Split 0 of a padding row (context 0) writes its zeros; other splits past
+    // the context are not counted by the merge below.
+    if (split == 0) {
+      const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int i = threadIdx.x; i < heads * (D / 4); i += kThreads) {
+        store4(out + (i / (D / 4)) * a.out_stride_h + (i % (D / 4)) * 4, zero);
+      }
+    }
+    return;
+  }
+
+  // The warps' partial outputs, maxima and sums, merged below. With kMma the partial outputs
+  // take the bytes of the main loop's rings (written after it).
+  __shared__ __align__(16) unsigned char smem[smem_bytes<T, D, G, kMma>()];
+  float (*s_acc)[G][D] = reinterpret_cast<float (*)[G][D]>(smem);
+  __shared__ float s_max[kWarps][G];
+  __shared__ float s_sum[kWarps][G];
+  if constexpr (kMma) {
+    mma_warp_loop<T, D, G>(a, plan.block_shift, b, kv_head, head0, heads, begin, end, smem, s_acc,
+                           s_max, s_sum);
+  } else {
+    simt_warp_loop<T, D, G>(a, plan, b, kv_head, head0, heads, begin, end, s_acc, s_max, s_sum);
+  }
   __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
 
   // Splits holding part of this sequence's context. With one, the CTA has the whole softmax and
   // writes the output directly (short contexts of a split bucket skip the workspace).
@@ -538,7 +557,8 @@ int log2_exact(int x) {
 
 template <typename T, int D, int G>
 void launch_main(const PagedDecodeArgs& a, const Plan& plan, int64_t ctas, cudaStream_t stream) {
-  paged_decode_kernel<T, D, G><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a, plan);
+  constexpr bool kMma = mma_supported<T, D>();
+  paged_decode_kernel<T, D, G, kMma><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a, plan);
 }
 
 template <typename T, int D>

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/mma.cuh"
 #include "kernels/paged_prefill_attention.h"
 
 namespace pagedkv::kernels::prefill {
@@ -78,9 +79,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
                "r"(valid ? 16 : 0));  // src-size 0: sixteen zero bytes, nothing read
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // The CTA's kRows query rows into s_q [kRows][row_stride], zeros past w.rows.
 template <typename T, int D, int kThreads>

@@ -6,14 +6,8 @@
 //   shared-memory round trip); V fragments by ldmatrix.trans.
 // K/V tiles are cp.async'd as in the CUDA-core kernel: V of tile j while S of tile j is computed,
 // K of tile j + 1 while O is updated.
-//
-// Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
-//   A (16 x 16): a0 (g, 2t..2t+1), a1 (g + 8, 2t..), a2 (g, 2t + 8..), a3 (g + 8, 2t + 8..)
-//   B (16 x 8):  b0 (k 2t..2t+1, n g), b1 (k 2t + 8.., n g)
-//   C (16 x 8):  c0, c1 (g, 2t..2t+1), c2, c3 (g + 8, 2t..2t+1)
+// (Fragment layouts: kernels/mma.cuh.)
 #pragma once
-#include <cstring>
-
 #include "kernels/paged_prefill_common.cuh"
 
 namespace pagedkv::kernels::prefill {
@@ -26,52 +20,6 @@ constexpr int kKeys = 32;  // keys per K/V tile
 template <typename T, int D>
 constexpr int smem_bytes() {
   return (kRows + 2 * kKeys) * row_stride<T, D>() * static_cast<int>(sizeof(T));
-}
-
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// c += a b on one m16n8k16 tile.
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1, __nv_bfloat16) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1, __half) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats as one register of two 16-bit values, `lo` in the low half (the lower column).
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
 }
 
 // CTAs an SM the registers allow (65536 / (128 x 4, 3, 2): 128, 170, 255 a thread); a lane holds
