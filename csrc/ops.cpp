@@ -19,9 +19,10 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("paged_decode_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor! workspace, "
         "int num_splits=0) -> ()");
-  // The split count the CUDA path of paged_decode_attention picks from shapes (host only).
+  // The split count the CUDA path of paged_decode_attention picks from shapes and q's dtype
+  // (host only).
   m.def("paged_decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int block_size, "
-        "int max_blocks, int num_sms) -> int");
+        "int max_blocks, int num_sms, int head_dim, ScalarType dtype) -> int");
   // The fp32 floats of paged_decode_attention's workspace for these shapes (0 without splits).
   m.def("paged_decode_workspace_floats(int batch, int num_q_heads, int head_dim, int num_splits) -> int");
 

@@ -264,32 +264,47 @@ def test_cuda_graph_capture_and_replay():
         )
 
 
-# (batch, q heads, kv heads, max_blocks) -> splits on a 132-SM H100, block 16: W3's points and
-# W1's decode (28 q / 4 kv heads, 16-block tables). Each is what a sweep of num_splits on the
-# H100 measured fastest or within 1% of it (docs/measurements.md, 2026-11-24).
+# (batch, q heads, kv heads, max_blocks) -> splits on a 132-SM H100, block 16, bf16 and head_dim
+# 128 (the tensor-core loop): W3's points and W1's decode (28 q / 4 kv heads, 16-block tables).
+# Each is what a sweep of num_splits on the H100 measured fastest or within 1% of it
+# (docs/measurements.md, session 9).
 SWEPT_SPLITS = {
+    (1, 32, 8, 64): 16, (1, 32, 8, 512): 16, (1, 32, 8, 2048): 32, (4, 32, 8, 512): 8,
+    (16, 32, 8, 256): 2, (64, 32, 8, 128): 1, (256, 32, 8, 64): 1,
+    (1, 28, 4, 16): 16, (8, 28, 4, 16): 4, (32, 28, 4, 16): 1,
+}
+# The same for the CUDA-core loop (fp32, head_dim 256), from its sweep at W3's points (bf16,
+# head_dim 128, before the tensor-core loop; docs/measurements.md, 2026-11-24 session 7).
+SWEPT_SPLITS_CUDA_CORES = {
     (1, 32, 8, 64): 16, (1, 32, 8, 512): 32, (1, 32, 8, 2048): 48, (4, 32, 8, 512): 12,
     (16, 32, 8, 256): 3, (64, 32, 8, 128): 3, (256, 32, 8, 64): 1,
-    (1, 28, 4, 16): 16, (8, 28, 4, 16): 4, (32, 28, 4, 16): 1,
 }
 
 
 def test_split_heuristic_from_shapes_only():
     """Whole blocks per split, every split holding some of the longest context; the swept
-    shapes get their measured best; the unsplit grid of many waves stays unsplit."""
+    shapes get their measured best on each main loop; the unsplit grid of many waves stays
+    unsplit."""
     num_sms, block_size = 132, 16
-    for (batch, q_heads, kv_heads, max_blocks), expected in SWEPT_SPLITS.items():
-        splits = torch.ops.pagedkv.paged_decode_num_splits(batch, q_heads, kv_heads, block_size,
-                                                            max_blocks, num_sms)
-        assert splits == expected, (batch, q_heads, kv_heads, max_blocks, splits)
-        assert math.ceil(max_blocks / math.ceil(max_blocks / splits)) == splits
+    num_splits = torch.ops.pagedkv.paged_decode_num_splits
+    for swept, head_dim, dtype in ((SWEPT_SPLITS, 128, torch.bfloat16),
+                                   (SWEPT_SPLITS_CUDA_CORES, 128, torch.float32)):
+        for (batch, q_heads, kv_heads, max_blocks), expected in swept.items():
+            splits = num_splits(batch, q_heads, kv_heads, block_size, max_blocks, num_sms,
+                                head_dim, dtype)
+            assert splits == expected, (batch, q_heads, kv_heads, max_blocks, dtype, splits)
+            assert math.ceil(max_blocks / math.ceil(max_blocks / splits)) == splits
+    # head_dim 256 runs the CUDA-core loop at 16-bit dtypes too; fp16 plans as bf16.
+    assert num_splits(16, 32, 8, 16, 256, num_sms, 256, torch.float16) == 3
+    assert num_splits(16, 32, 8, 16, 256, num_sms, 64, torch.float16) == 2
     for batch in (1, 3, 16, 100, 1000):
         for max_blocks in (2, 7, 64, 1000):
-            splits = torch.ops.pagedkv.paged_decode_num_splits(batch, 32, 8, block_size, max_blocks, num_sms)
-            assert 1 <= splits <= max_blocks
-            assert math.ceil(max_blocks / math.ceil(max_blocks / splits)) == splits
-    assert torch.ops.pagedkv.paged_decode_num_splits(1, 32, 8, 16, 1, num_sms) == 1
-    assert torch.ops.pagedkv.paged_decode_num_splits(2000, 32, 8, 16, 4096, num_sms) == 1
+            for dtype in (torch.bfloat16, torch.float32):
+                splits = num_splits(batch, 32, 8, block_size, max_blocks, num_sms, 128, dtype)
+                assert 1 <= splits <= max_blocks
+                assert math.ceil(max_blocks / math.ceil(max_blocks / splits)) == splits
+    assert num_splits(1, 32, 8, 16, 1, num_sms, 128, torch.bfloat16) == 1
+    assert num_splits(2000, 32, 8, 16, 4096, num_sms, 128, torch.bfloat16) == 1
 
 
 def test_workspace_is_empty_on_cpu_and_sized_for_forced_splits():

@@ -111,9 +111,12 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
 // The CUDA path's split heuristic and workspace layout are plain host code, registered for every
 // build and device so callers can size the workspace (and CI can test the heuristic) without a GPU.
 int64_t paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                                int64_t block_size, int64_t max_blocks, int64_t num_sms) {
+                                int64_t block_size, int64_t max_blocks, int64_t num_sms,
+                                int64_t head_dim, at::ScalarType dtype) {
+  const bool tensor_cores = kernels::paged_decode_tensor_cores(
+      static_cast<int>(head_dim), static_cast<int>(c10::elementSize(dtype)));
   return kernels::paged_decode_num_splits(batch, num_q_heads, num_kv_heads, block_size,
-                                          max_blocks, num_sms);
+                                          max_blocks, num_sms, tensor_cores);
 }
 
 int64_t paged_decode_workspace_floats(int64_t batch, int64_t num_q_heads, int64_t head_dim,

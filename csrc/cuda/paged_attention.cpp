@@ -29,8 +29,10 @@ int sm_count(int device) {
 int64_t auto_num_splits(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& block_tables) {
   const int num_sms = sm_count(q.device().index());
+  const bool tensor_cores = kernels::paged_decode_tensor_cores(
+      static_cast<int>(q.size(2)), static_cast<int>(q.element_size()));
   return kernels::paged_decode_num_splits(q.size(0), q.size(1), k_cache.size(2), k_cache.size(1),
-                                          block_tables.size(1), num_sms);
+                                          block_tables.size(1), num_sms, tensor_cores);
 }
 
 }  // namespace

@@ -1,15 +1,16 @@
 // Paged decode attention. One thread block (CTA) per (sequence, kv head, split, head chunk); it
 // serves all query heads of that kv head (GQA: each K/V row is read once for the whole group).
-//
-// Inside a CTA, 4 warps take turns over the split's tokens. A token row of one kv head
-// (head_dim elements) is read by kLanes lanes with 16-byte loads that bypass L1 (every row is
-// read once), so a warp reads 32 / kLanes tokens side by side and kSteps of those per iteration:
-// every lane has kSteps K and kSteps V loads in flight before it computes, and the next
-// iteration's too where registers allow. Each lane keeps the scaled query slice of every head of
-// the group and an fp32 online softmax (max, sum, output slice) for the tokens its lane group saw;
-// at the end the lane groups merge by shuffles, the warps through shared memory. (Staging K/V in
-// shared memory instead, by cp.async or by the copy engine, measured no faster on an H100:
-// docs/measurements.md.)
+// Inside a CTA, 4 warps take turns over the split's tokens, each with its own fp32 online softmax
+// (max, sum, output), merged through shared memory at the end. Two main loops:
+//   - tensor cores (paged_decode_mma.cuh; bf16/fp16 at head_dim 64 and 128, so W1 and W3):
+//     per warp a 2-stage cp.async ring of 8-token K/V tiles, scores and the weighted sum as
+//     mma.sync tiles (111 registers, 4 CTAs per SM);
+//   - CUDA cores (below; fp32, head_dim 256): a token row of one kv head is read by kLanes lanes
+//     with 16-byte loads that bypass L1 (every row is read once), so a warp reads 32 / kLanes
+//     tokens side by side and kSteps of those per iteration: every lane has kSteps K and kSteps V
+//     loads in flight before it computes, and the next iteration's too where registers allow.
+//     Each lane keeps the scaled query slice of every head of the group and its online softmax
+//     for the tokens its lane group saw; the lane groups merge by shuffles.
 // Scores are kept in log2 units (the query is pre-scaled by scale * log2(e)), so exp2 suffices.
 //
 // With num_splits > 1 each CTA of a sequence that spans several splits writes its normalized
@@ -390,7 +391,7 @@ constexpr int smem_bytes() {
 
 // kMma: the tensor-core main loop (paged_decode_mma.cuh) instead of the CUDA-core one above.
 template <typename T, int D, int G, bool kMma>
-__global__ void __launch_bounds__(kThreads, paged_ctas_per_sm(G))
+__global__ void __launch_bounds__(kThreads, paged_ctas_per_sm(G, kMma))
 paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
 
   // blockIdx.x = ((b * num_kv_heads + kv_head) * num_splits + split) * head_chunks + chunk:

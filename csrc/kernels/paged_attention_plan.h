@@ -9,11 +9,18 @@ namespace pagedkv::kernels {
 
 inline constexpr int kPagedMaxGroup = 8;     // query heads one CTA serves; larger groups chunked
 
+// Whether the kernel runs its tensor-core main loop (kernels/paged_decode_mma.cuh): bf16/fp16 at
+// head_dim 64 or 128. Other shapes and fp32 take the CUDA-core loop.
+constexpr bool paged_decode_tensor_cores(int head_dim, int elem_bytes) {
+  return elem_bytes == 2 && (head_dim == 64 || head_dim == 128);
+}
+
 // CTAs of 128 threads resident per SM: the kernel's launch bounds hold its registers to this
-// (65536 / (128 * n) per thread: 128, 170, 255), and the split heuristic plans with it.
-// Each query head of the group costs a lane 2 x 8 fp32 registers (query and output slices).
-constexpr int paged_ctas_per_sm(int padded_group) {
-  return padded_group >= 8 ? 2 : padded_group >= 4 ? 3 : 4;
+// (65536 / (128 * n) per thread: 128, 170, 255), and the split heuristic plans with it. On the
+// CUDA-core loop each query head of the group costs a lane 2 x 8 fp32 registers (query and output
+// slices); the tensor-core loop needs 111 at any group and 32 KB of shared memory: 4 CTAs.
+constexpr int paged_ctas_per_sm(int padded_group, bool tensor_cores) {
+  return tensor_cores ? 4 : padded_group >= 8 ? 2 : padded_group >= 4 ? 3 : 4;
 }
 
 // How a kv head's group of query heads is cut into CTAs: `chunks` CTAs of at most
@@ -53,14 +60,17 @@ inline int64_t paged_splits_filling(int64_t ctas, int64_t slots, int64_t max_blo
 // Splits of each sequence's context (>= 1), from shapes only. Every SM should stream K/V, but a
 // CTA beyond the first on an SM pays its own prologue (context length -> block table -> K/V,
 // three dependent reads) and one more partial to merge, which only long splits repay. So: the
-// fewest splits that fill one CTA per SM, or k CTAs per SM (up to what the registers allow) where
-// each split then keeps >= 256 * (k - 1) tokens; none when the unsplit CTAs already run >= 4
-// waves (the tail wave costs less than the splits' merges). On the H100 (132 SMs) this gives what
-// a sweep of num_splits measured best or within 1% of it (docs/measurements.md, 2026-11-24):
-// W3 1x1024 16, 1x8192 32, 1x32768 48, 16x4096 3, 64x2048 3, 256x1024 1; W1 (28 q / 4 kv heads,
-// 16-block tables) batch 1 16, batch 8 4, batch 32 1.
+// fewest splits that fill one CTA per SM, or k CTAs per SM (up to what the kernel allows) where
+// each split then keeps >= 256 * (k - 1) tokens (768 * (k - 1) on the tensor-core loop, whose
+// CTAs stream faster, so their fixed costs weigh more); none when the unsplit CTAs already run
+// >= 4 waves (the tail wave costs less than the splits' merges). On the H100 (132 SMs) this gives
+// what a sweep of num_splits measured best or within 1% of it (docs/measurements.md, session 9):
+// W3 (bf16, head_dim 128, tensor cores) 1x1024 16, 1x8192 16, 1x32768 32, 4x8192 8, 16x4096 2,
+// 64x2048 1, 256x1024 1; W1 (28 q / 4 kv heads, 16-block tables) batch 1 16, batch 8 4,
+// batch 32 1. (The CUDA-core loop's sweep, 2026-11-24: W3 16, 32, 48, 12, 3, 3, 1.)
 inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                                   int64_t block_size, int64_t max_blocks, int64_t num_sms) {
+                                   int64_t block_size, int64_t max_blocks, int64_t num_sms,
+                                   bool tensor_cores) {
   if (batch <= 0 || num_kv_heads <= 0 || num_q_heads < num_kv_heads || block_size <= 0 ||
       max_blocks <= 1 || num_sms <= 0) {
     return 1;
@@ -68,13 +78,14 @@ inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t n
   const HeadGroups g =
       paged_head_groups(static_cast<int>(num_q_heads), static_cast<int>(num_kv_heads));
   const int64_t ctas = batch * num_kv_heads * g.chunks;  // unsplit
-  const int max_per_sm = paged_ctas_per_sm(g.padded);
+  const int max_per_sm = paged_ctas_per_sm(g.padded, tensor_cores);
+  const int64_t min_tokens = tensor_cores ? 768 : 256;  // per split, per CTA an SM adds
   if (ctas >= 4 * num_sms * max_per_sm) return 1;
   int64_t splits = paged_splits_filling(ctas, num_sms, max_blocks);
   for (int per_sm = 2; per_sm <= max_per_sm; ++per_sm) {
     const int64_t more = paged_splits_filling(ctas, per_sm * num_sms, max_blocks);
     const int64_t tokens = (max_blocks + more - 1) / more * block_size;
-    if (tokens >= 256 * (per_sm - 1)) splits = more;
+    if (tokens >= min_tokens * (per_sm - 1)) splits = more;
   }
   return static_cast<int>(splits);
 }

@@ -13,8 +13,8 @@
 //     by ldmatrix.trans.
 // A stage of 8 tokens lies in one cache block (blocks are >= 8 tokens and every warp's first token
 // is a multiple of 8), so one table entry addresses it, read one stage ahead of its copies.
-// On the CUDA-core loop's 8-token iteration, this loop issues ~60 instructions a warp where that
-// one issues ~500 (the score and weighted-sum FMAs, unpacks and shuffles).
+// At head_dim 128 a lane's share of 8 tokens is 8 cp.async, 8 ldmatrix and 16 mma instructions,
+// where the CUDA-core loop's lane runs 256 FMAs, 64 unpacks and the shuffles of its scores.
 #pragma once
 #include <cstdint>
 
@@ -28,11 +28,12 @@ namespace pagedkv::kernels::decode {
 constexpr int kStageTokens = 8;  // N of S's tile and K of O's: one ldmatrix row per token
 constexpr int kStages = 2;
 
-// head_dim 256 stays on the CUDA-core loop: its Q fragments and O accumulators (96 registers)
-// spill at the 3-4 CTAs per SM that 4-head groups and smaller run at.
+// paged_decode_tensor_cores (paged_attention_plan.h) says which shapes run this loop. head_dim 256
+// stays on the CUDA-core loop: its Q fragments and O accumulators (96 registers) spill at 3-4
+// CTAs per SM.
 template <typename T, int D>
 constexpr bool mma_supported() {
-  return sizeof(T) == 2 && (D == 64 || D == 128);
+  return paged_decode_tensor_cores(D, sizeof(T));
 }
 
 // Shared memory of the rings, per CTA: [warp][stage][K, V][token][D].

@@ -98,7 +98,8 @@ def paged_decode_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables
         return 1
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     return _ops.paged_decode_num_splits(
-        q.shape[0], q.shape[1], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1], num_sms
+        q.shape[0], q.shape[1], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1], num_sms,
+        q.shape[2], q.dtype,
     )
 
 
