@@ -110,47 +110,13 @@ __device__ __forceinline__ unsigned work(const uint4& x) {
 }
 
 // U loads per lane per iteration: U / 2 tokens' K and V pieces for each half-warp (16 lanes per
-// 256-byte row, 2 rows side by side), so a warp covers U tokens per iteration.
-template <int U, bool kPipelined, int W = 0, int X = 0>
+// 256-byte row, 2 rows side by side), so a warp covers U tokens per iteration. kPipeline: 0 loads
+// then folds; 1 (regs2) issues the next U before folding the current, through a copy of the
+// current that waits for them first; 2 (regsdb) two register buffers take turns (the loop
+// unrolled by two), so the next U are issued before the wait for the current: two iterations in
+// flight while a warp waits, as in a 2-stage ring.
+template <int U, int kPipeline, int W = 0, int X = 0>
 __global__ void __launch_bounds__(kThreads) regs_kernel(Shape s) {
-  const Work w = work_of(s);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int side = lane / 16, sub = lane % 16;
-  unsigned acc = 0;
-  uint4 kr[U / 2], vr[U / 2];
-  auto issue = [&](int base) {
-#pragma unroll
-    for (int j = 0; j < U / 2; ++j) {
-      const int t = min(base + 2 * j + side, w.end - 1);
-      const int64_t off = offset(s, w.b, w.h, t, sub);
-      kr[j] = load16_stream(s.k + off);
-      vr[j] = load16_stream(s.v + off);
-    }
-  };
-  auto fold = [&](const uint4 (&k)[U / 2], const uint4 (&v)[U / 2]) {
-#pragma unroll
-    for (int j = 0; j < U / 2; ++j) acc ^= work<W, X>(k[j]) ^ work<W, X>(v[j]);
-  };
-  constexpr int kStride = kWarps * U;
-  int t0 = w.begin + warp * U;
-  if (kPipelined && t0 < w.end) issue(t0);
-  for (; t0 < w.end; t0 += kStride) {
-    if (!kPipelined) issue(t0);
-    uint4 kc[U / 2], vc[U / 2];
-#pragma unroll
-    for (int j = 0; j < U / 2; ++j) kc[j] = kr[j], vc[j] = vr[j];
-    if (kPipelined && t0 + kStride < w.end) issue(t0 + kStride);
-    fold(kc, vc);
-  }
-  if (acc == 0x9e3779b9u) s.sink[blockIdx.x] = acc;  // never: keeps the loads
-}
-
-// regs2's pipeline with two register buffers taking turns (the loop unrolled by two), so the
-// next U loads are issued before the wait for the current: two iterations in flight while a warp
-// waits, as in a 2-stage ring, where regs2's copy waits for the current loads before it issues
-// the next.
-template <int U, int W = 0, int X = 0>
-__global__ void __launch_bounds__(kThreads) regs_db_kernel(Shape s) {
   const Work w = work_of(s);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int side = lane / 16, sub = lane % 16;
@@ -171,16 +137,26 @@ __global__ void __launch_bounds__(kThreads) regs_db_kernel(Shape s) {
   };
   constexpr int kStride = kWarps * U;
   int t0 = w.begin + warp * U;
-  if (t0 < w.end) issue(k0, v0, t0);
-  for (; t0 < w.end; t0 += 2 * kStride) {
-    const int t1 = t0 + kStride;
-    if (t1 < w.end) issue(k1, v1, t1);
-    fold(k0, v0);
-    if (t1 >= w.end) break;
-    if (t1 + kStride < w.end) issue(k0, v0, t1 + kStride);
-    fold(k1, v1);
+  if (kPipeline > 0 && t0 < w.end) issue(k0, v0, t0);
+  if constexpr (kPipeline == 2) {
+    for (; t0 < w.end; t0 += 2 * kStride) {
+      const int t1 = t0 + kStride;
+      if (t1 < w.end) issue(k1, v1, t1);
+      fold(k0, v0);
+      if (t1 >= w.end) break;
+      if (t1 + kStride < w.end) issue(k0, v0, t1 + kStride);
+      fold(k1, v1);
+    }
+  } else {
+    for (; t0 < w.end; t0 += kStride) {
+      if (kPipeline == 0) issue(k0, v0, t0);
+#pragma unroll
+      for (int j = 0; j < U / 2; ++j) k1[j] = k0[j], v1[j] = v0[j];
+      if (kPipeline == 1 && t0 + kStride < w.end) issue(k0, v0, t0 + kStride);
+      fold(k1, v1);
+    }
   }
-  if (acc == 0x9e3779b9u) s.sink[blockIdx.x] = acc;
+  if (acc == 0x9e3779b9u) s.sink[blockIdx.x] = acc;  // never: keeps the loads
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -237,13 +213,9 @@ struct Variant {
   int own_smem;  // bytes of shared memory the structure itself uses per CTA
 };
 
-template <int U, bool P, int W = 0, int X = 0>
+template <int U, int kPipeline, int W = 0, int X = 0>
 Variant regs(const char* name) {
-  return {name, regs_kernel<U, P, W, X>, 0};
-}
-template <int U, int W = 0, int X = 0>
-Variant regs_db(const char* name) {
-  return {name, regs_db_kernel<U, W, X>, 0};
+  return {name, regs_kernel<U, kPipeline, W, X>, 0};
 }
 template <int S, int U, int W = 0, int X = 0>
 Variant ring(const char* name) {
@@ -292,20 +264,20 @@ int main(int argc, char** argv) {
               smem_per_sm / 1024);
 
   const std::vector<Variant> variants =
-      compute ? std::vector<Variant>{regs<8, true, 0>("regs2 8"),
-                                     regs<8, true, 48>("regs2 8 +48"),
-                                     regs<8, true, 48, 4>("regs2 8 +48 +4 shfl"),
-                                     regs<8, true, 48, 8>("regs2 8 +48 +8 shfl"),
-                                     regs_db<8, 0>("regsdb 8"),
-                                     regs_db<8, 48, 4>("regsdb 8 +48 +4 shfl"),
+      compute ? std::vector<Variant>{regs<8, 1, 0>("regs2 8"),
+                                     regs<8, 1, 48>("regs2 8 +48"),
+                                     regs<8, 1, 48, 4>("regs2 8 +48 +4 shfl"),
+                                     regs<8, 1, 48, 8>("regs2 8 +48 +8 shfl"),
+                                     regs<8, 2>("regsdb 8"),
+                                     regs<8, 2, 48, 4>("regsdb 8 +48 +4 shfl"),
                                      ring<2, 8, 0>("ring 2x8"),
                                      ring<2, 8, 48>("ring 2x8 +48"),
                                      ring<2, 8, 48, 4>("ring 2x8 +48 +4 shfl"),
                                      ring<2, 8, 48, 8>("ring 2x8 +48 +8 shfl"),
                                      ring<4, 8, 48, 4>("ring 4x8 +48 +4 shfl")}
-              : std::vector<Variant>{regs<8, false>("regs 8"),   regs<32, false>("regs 32"),
-                                     regs<8, true>("regs2 8"),   regs<16, true>("regs2 16"),
-                                     regs_db<8>("regsdb 8"),     regs_db<16>("regsdb 16"),
+              : std::vector<Variant>{regs<8, 0>("regs 8"),   regs<32, 0>("regs 32"),
+                                     regs<8, 1>("regs2 8"),   regs<16, 1>("regs2 16"),
+                                     regs<8, 2>("regsdb 8"),   regs<16, 2>("regsdb 16"),
                                      ring<2, 8>("ring 2x8"),     ring<4, 8>("ring 4x8"),
                                      ring<4, 16>("ring 4x16")};
   struct Point {
