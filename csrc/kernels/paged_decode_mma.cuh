@@ -57,7 +57,7 @@ __device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem) 
 
 // One warp's share of the split [begin, end): its tokens begin + 8 * warp + 32 * i. Leaves the
 // warp's normalized-later partial output, max and sum (log2 units) of its heads in s_acc, s_max
-// and s_sum (a warp that saw no token leaves max kNegBig and sum 0). `ring` is ring_bytes of
+// and s_sum (a warp that saw no token leaves max kNegBig and sum 0). `ring_smem` is ring_bytes of
 // shared memory that s_acc may alias: the CTA syncs before the first write to s_acc.
 template <typename T, int D, int G>
 __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int block_shift, int b,
