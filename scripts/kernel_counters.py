@@ -4,7 +4,7 @@
             (`ncu --profile-from-start off`): the GEMV at 1 row (CUDA cores) against 8 rows
             (tensor cores) on W1's down and gate_up shapes (issue 5: 8 rows are ~7% slower per
             byte of weight), and paged decode attention against dense SDPA at 1 x 8192 and
-            16 x 4096 (issue 4: 1.02 and 0.95 of dense SDPA's GB/s on 2026-11-24).
+            16 x 4096 (issue 4: 1.02 and 0.96 of dense SDPA's GB/s in session 9).
   sweep     paged decode attention's time over num_splits at a few batch x context points, by
             CUDA-graph replay of calls rotating among cache copies past the L2: is the automatic
             split count the best one?
@@ -32,8 +32,8 @@ from timing import copies_past_l2, median_time_us, rotating  # noqa: E402
 from pagedkv import ops  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 3584, 18944  # W1 (Qwen2.5-7B)
-# Paged decode vs dense SDPA: batch 1 (latency-bound) and 16 x 4096 (bandwidth-bound, 0.95 of
-# SDPA on 2026-11-24: 2800 vs 2940 GB/s).
+# Paged decode vs dense SDPA: batch 1 (latency-bound) and 16 x 4096 (bandwidth-bound, 0.96 of
+# SDPA in session 9: 2830 vs 2940 GB/s).
 ATTENTION_POINTS = [(1, 8192), (16, 4096)]
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

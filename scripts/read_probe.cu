@@ -40,8 +40,10 @@
 #include <vector>
 
 #include "kernels/common.cuh"
+#include "kernels/mma.cuh"
 
-using pagedkv::kernels::load16_stream;  // the decode kernel's K/V load, timed here as it is
+using pagedkv::kernels::cp_async16_stream;  // the decode kernel's K/V copy and load, timed
+using pagedkv::kernels::load16_stream;      // here as they are
 
 #define CHECK(x)                                                                        \
   do {                                                                                  \
@@ -159,11 +161,6 @@ __global__ void __launch_bounds__(kThreads) regs_kernel(Shape s) {
   if (acc == 0x9e3779b9u) s.sink[blockIdx.x] = acc;  // never: keeps the loads
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
-}
-
 // A warp-private ring: S stages, each U 16-byte pieces per lane (U tokens per warp). A lane reads
 // back only what it copied, so its own wait_group is all the synchronisation needed.
 template <int S, int U, int W = 0, int X = 0>
@@ -180,8 +177,8 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Shape s) {
     for (int j = 0; j < U / 2; ++j) {
       const int t = min(base + 2 * j + side, w.end - 1);
       const int64_t off = offset(s, w.b, w.h, t, sub);
-      cp_async16(mine + (stage * U + 2 * j) * 32, s.k + off);
-      cp_async16(mine + (stage * U + 2 * j + 1) * 32, s.v + off);
+      cp_async16_stream(mine + (stage * U + 2 * j) * 32, s.k + off);
+      cp_async16_stream(mine + (stage * U + 2 * j + 1) * 32, s.v + off);
     }
   };
   const int first = w.begin + warp * U;

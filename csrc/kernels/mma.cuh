@@ -93,6 +93,12 @@ __device__ __forceinline__ float unpack2_sum(uint32_t r, __half) {
   return f.x + f.y;
 }
 
+// 16 bytes to shared memory, bypassing L1, a miss asking L2 for the 256-byte window around them
+// (paged decode's K/V row pieces, read once; scripts/read_probe.cu times it too).
+__device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

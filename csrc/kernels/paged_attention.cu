@@ -393,7 +393,6 @@ constexpr int smem_bytes() {
 template <typename T, int D, int G, bool kMma>
 __global__ void __launch_bounds__(kThreads, paged_ctas_per_sm(G, kMma))
 paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
-
   // blockIdx.x = ((b * num_kv_heads + kv_head) * num_splits + split) * head_chunks + chunk:
   // the CTAs that read the same K/V rows are neighbours (L2 serves the other head chunks).
   int idx = blockIdx.x;
@@ -558,7 +557,7 @@ int log2_exact(int x) {
 
 template <typename T, int D, int G>
 void launch_main(const PagedDecodeArgs& a, const Plan& plan, int64_t ctas, cudaStream_t stream) {
-  constexpr bool kMma = mma_supported<T, D>();
+  constexpr bool kMma = paged_decode_tensor_cores(D, sizeof(T));
   paged_decode_kernel<T, D, G, kMma><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a, plan);
 }
 

@@ -10,7 +10,8 @@ namespace pagedkv::kernels {
 inline constexpr int kPagedMaxGroup = 8;     // query heads one CTA serves; larger groups chunked
 
 // Whether the kernel runs its tensor-core main loop (kernels/paged_decode_mma.cuh): bf16/fp16 at
-// head_dim 64 or 128. Other shapes and fp32 take the CUDA-core loop.
+// head_dim 64 or 128. Other shapes and fp32 take the CUDA-core loop (at head_dim 256 the
+// tensor-core loop's Q fragments and O accumulators, 96 registers, spill at 3-4 CTAs per SM).
 constexpr bool paged_decode_tensor_cores(int head_dim, int elem_bytes) {
   return elem_bytes == 2 && (head_dim == 64 || head_dim == 128);
 }

@@ -11,6 +11,7 @@
 //   - O^T += V^T P^T as m16n8k8 tiles: M = head_dim, N = the heads, K = the 8 tokens. S's
 //     accumulators, rounded to bf16/fp16, are P^T's B fragment as they are; V^T's A fragments come
 //     by ldmatrix.trans.
+// paged_decode_tensor_cores (paged_attention_plan.h) says which shapes run this loop.
 // A stage of 8 tokens lies in one cache block (blocks are >= 8 tokens and every warp's first token
 // is a multiple of 8), so one table entry addresses it, read one stage ahead of its copies.
 // At head_dim 128 a lane's share of 8 tokens is 8 cp.async, 8 ldmatrix and 16 mma instructions,
@@ -18,7 +19,6 @@
 #pragma once
 #include <cstdint>
 
-#include "kernels/common.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/paged_attention.h"
 #include "kernels/paged_decode_common.cuh"
@@ -27,14 +27,6 @@ namespace pagedkv::kernels::decode {
 
 constexpr int kStageTokens = 8;  // N of S's tile and K of O's: one ldmatrix row per token
 constexpr int kStages = 2;
-
-// paged_decode_tensor_cores (paged_attention_plan.h) says which shapes run this loop. head_dim 256
-// stays on the CUDA-core loop: its Q fragments and O accumulators (96 registers) spill at 3-4
-// CTAs per SM.
-template <typename T, int D>
-constexpr bool mma_supported() {
-  return paged_decode_tensor_cores(D, sizeof(T));
-}
 
 // Shared memory of the rings, per CTA: [warp][stage][K, V][token][D].
 template <typename T, int D>
@@ -48,11 +40,6 @@ constexpr int ring_bytes() {
 template <int D>
 __device__ __forceinline__ int tile_offset(int token, int chunk) {
   return token * D + (chunk ^ token) * 8;
-}
-
-__device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
 }
 
 // One warp's share of the split [begin, end): its tokens begin + 8 * warp + 32 * i. Leaves the
