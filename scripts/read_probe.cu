@@ -86,6 +86,18 @@ __device__ __forceinline__ Work work_of(const Shape& s) {
   Work w{stream / kHkv, stream % kHkv, split * per, min(split * per + per, s.ctx)};
   return w;
 }
+// The same number of CTAs, each 4 heads of one sequence (warp w: head h + w, every token of the
+// CTA's range) over a quarter of the split's tokens: per token the CTA reads 4 adjacent rows
+// (1 KB of a token-major block), where work_of's CTA reads one head's rows.
+__device__ __forceinline__ Work work_of_heads(const Shape& s) {
+  const int quarters = 4 * s.splits;
+  const int split = blockIdx.x % quarters;
+  const int stream = blockIdx.x / quarters;
+  const int per = (s.ctx / quarters + kBlock - 1) / kBlock * kBlock;
+  Work w{stream / (kHkv / kWarps), stream % (kHkv / kWarps) * kWarps, split * per,
+         min(split * per + per, s.ctx)};
+  return w;
+}
 
 // What a lane does with a 16-byte piece: fold it into one word (W = 0), or first run W FMAs on
 // it in 4 independent chains and X warp shuffles, a stand-in for the decode kernel's arithmetic
@@ -163,15 +175,17 @@ __global__ void __launch_bounds__(kThreads) regs_kernel(Shape s) {
 
 // A warp-private ring: S stages, each U 16-byte pieces per lane (U tokens per warp). A lane reads
 // back only what it copied, so its own wait_group is all the synchronisation needed.
-template <int S, int U, int W = 0, int X = 0>
+// kHeadWarps: the CTA's warps take heads (work_of_heads) instead of stripes of tokens.
+template <int S, int U, int W = 0, int X = 0, bool kHeadWarps = false>
 __global__ void __launch_bounds__(kThreads) ring_kernel(Shape s) {
   extern __shared__ uint4 ring[];  // [kWarps][S][U][32]
-  const Work w = work_of(s);
+  Work w = kHeadWarps ? work_of_heads(s) : work_of(s);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int side = lane / 16, sub = lane % 16;
   uint4* mine = ring + static_cast<int64_t>(warp) * S * U * 32 + lane;
   unsigned acc = 0;
-  constexpr int kStride = kWarps * U;
+  if (kHeadWarps) w.h += warp;
+  constexpr int kStride = kHeadWarps ? U : kWarps * U;
   auto issue = [&](int base, int stage) {
 #pragma unroll
     for (int j = 0; j < U / 2; ++j) {
@@ -181,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Shape s) {
       cp_async16_stream(mine + (stage * U + 2 * j + 1) * 32, s.v + off);
     }
   };
-  const int first = w.begin + warp * U;
+  const int first = w.begin + (kHeadWarps ? 0 : warp * U);
   // Prologue: S - 1 stages in flight (empty groups past the end keep the count uniform).
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
@@ -214,9 +228,9 @@ template <int U, int kPipeline, int W = 0, int X = 0>
 Variant regs(const char* name) {
   return {name, regs_kernel<U, kPipeline, W, X>, 0};
 }
-template <int S, int U, int W = 0, int X = 0>
+template <int S, int U, int W = 0, int X = 0, bool kHeadWarps = false>
 Variant ring(const char* name) {
-  return {name, ring_kernel<S, U, W, X>, kWarps * S * U * 32 * 16};
+  return {name, ring_kernel<S, U, W, X, kHeadWarps>, kWarps * S * U * 32 * 16};
 }
 
 float time_ms(const Variant& var, const Shape& s, int ctas_per_sm, int smem_per_sm) {
@@ -276,7 +290,8 @@ int main(int argc, char** argv) {
                                      regs<8, 1>("regs2 8"),   regs<16, 1>("regs2 16"),
                                      regs<8, 2>("regsdb 8"),   regs<16, 2>("regsdb 16"),
                                      ring<2, 8>("ring 2x8"),     ring<4, 8>("ring 4x8"),
-                                     ring<4, 16>("ring 4x16")};
+                                     ring<4, 16>("ring 4x16"),
+                                     ring<2, 8, 0, 0, true>("ring 2x8 heads")};
   struct Point {
     int batch, ctx;
     std::vector<int> splits;

@@ -58,6 +58,7 @@ void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at:
 
   args.workspace = needed > 0 ? workspace.data_ptr<float>() : nullptr;
   args.num_splits = static_cast<int>(num_splits);
+  args.num_sms = sm_count(q.device().index());
   C10_CUDA_CHECK(kernels::paged_decode_attention(args, kernel_dtype(q),
                                                  c10::cuda::getCurrentCUDAStream()));
 }

@@ -380,19 +380,24 @@ __device__ __forceinline__ void simt_warp_loop(const PagedDecodeArgs& a, const P
   }
 }
 
-// Shared memory of paged_decode_kernel's merge: the warps' [kWarps][G][D] partial outputs; with
-// kMma, at least the main loop's rings (the same bytes). Static: a launch with dynamic shared
-// memory instead ran the tensor-core loop 12% slower on an H100 (docs/measurements.md).
-template <typename T, int D, int G, bool kMma>
+// Dynamic shared memory of paged_decode_kernel with W warps: the merge's [W][G][D] partial
+// outputs; with kMma, at least the main loop's rings (the same bytes). Dynamic, since the wide
+// CTA's 64 KB of rings pass the 48 KB static limit.
+template <typename T, int D, int G, bool kMma, int W>
 constexpr int smem_bytes() {
-  constexpr int merge = kWarps * G * D * static_cast<int>(sizeof(float));
-  return kMma ? std::max(merge, ring_bytes<T, D>()) : merge;
+  constexpr int merge = W * G * D * static_cast<int>(sizeof(float));
+  return kMma ? std::max(merge, ring_bytes<T, D, W>()) : merge;
 }
 
 // kMma: the tensor-core main loop (paged_decode_mma.cuh) instead of the CUDA-core one above.
-template <typename T, int D, int G, bool kMma>
-__global__ void __launch_bounds__(kThreads, paged_ctas_per_sm(G, kMma))
+// W: warps per CTA, kWarps or (tensor cores only) 8 for a grid of at most one CTA per SM
+// (paged_decode_warps); the launch bounds keep the registers of kWarps-warp CTAs at the same
+// warps per SM.
+template <typename T, int D, int G, bool kMma, int W>
+__global__ void __launch_bounds__(W * 32, paged_ctas_per_sm(G, kMma) * kWarps / W)
 paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
+  static_assert(W == kWarps || kMma, "the CUDA-core loop runs kWarps warps");
+  constexpr int kThreads = W * 32;
   // blockIdx.x = ((b * num_kv_heads + kv_head) * num_splits + split) * head_chunks + chunk:
   // the CTAs that read the same K/V rows are neighbours (L2 serves the other head chunks).
   int idx = blockIdx.x;
@@ -403,8 +408,18 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   const int kv_head = idx % a.num_kv_heads;
   const int b = idx / a.num_kv_heads;
 
-  const int ctx = clamp_context(a.context_lens, b, plan.max_tokens);
   const int begin = split * plan.tokens_per_split;
+  // The block of this warp's first tile, read beside the context length instead of after it
+  // (it does not depend on it): one dependent read less before the first K/V copies.
+  int first_block = 0;
+  if constexpr (kMma) {
+    const int first = begin + (threadIdx.x / 32) * kStageTokens;
+    if (first < plan.max_tokens) {
+      first_block = __ldg(a.block_tables + static_cast<int64_t>(b) * a.max_blocks +
+                          (first >> plan.block_shift));
+    }
+  }
+  const int ctx = clamp_context(a.context_lens, b, plan.max_tokens);
   const int end = min(begin + plan.tokens_per_split, ctx);
   const int head0 = kv_head * plan.group_size + chunk * plan.chunk_heads;  // first query head
   const int heads = min(plan.chunk_heads, plan.group_size - chunk * plan.chunk_heads);
@@ -424,19 +439,20 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
 
   // The warps' partial outputs, maxima and sums, merged below. With kMma the partial outputs
   // take the bytes of the main loop's rings (written after it).
-  __shared__ __align__(16) unsigned char smem[smem_bytes<T, D, G, kMma>()];
+  // smem_bytes<T, D, G, kMma, W>(). 128-byte aligned: placed after the static arrays at a 16-byte
+  // boundary, the rings' swizzled tiles straddle 128-byte lines, and the tensor-core loop ran
+  // 7-12% slower on an H100 (sessions 9-10; as fast as static memory when aligned).
+  extern __shared__ __align__(128) unsigned char smem[];
   float (*s_acc)[G][D] = reinterpret_cast<float (*)[G][D]>(smem);
-  __shared__ float s_max[kWarps][G];
-  __shared__ float s_sum[kWarps][G];
+  __shared__ float s_max[W][G];
+  __shared__ float s_sum[W][G];
   if constexpr (kMma) {
-    mma_warp_loop<T, D, G>(a, plan.block_shift, b, kv_head, head0, heads, begin, end, smem, s_acc,
-                           s_max, s_sum);
+    mma_warp_loop<T, D, G, W>(a, plan.block_shift, b, kv_head, head0, heads, begin, end,
+                              first_block, smem, s_acc, s_max, s_sum);
   } else {
     simt_warp_loop<T, D, G>(a, plan, b, kv_head, head0, heads, begin, end, s_acc, s_max, s_sum);
   }
   __syncthreads();
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
 
   // Splits holding part of this sequence's context. With one, the CTA has the whole softmax and
   // writes the output directly (short contexts of a split bucket skip the workspace).
@@ -454,11 +470,11 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
     const int d = (i % (D / 4)) * 4;
     float max_all = kNegBig;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) max_all = fmaxf(max_all, s_max[w][h]);
+    for (int w = 0; w < W; ++w) max_all = fmaxf(max_all, s_max[w][h]);
     float sum = 0.f;
     float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < W; ++w) {
       const float weight = exp2f(s_max[w][h] - max_all);  // 0 for a warp that saw no token
       sum += weight * s_sum[w][h];
       const float4 x = *reinterpret_cast<const float4*>(&s_acc[w][h][d]);
@@ -495,54 +511,30 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   if (!s_last) return;
   __threadfence();
   // The splits' (max, sum) and partials were written by other CTAs: read them through L2
-  // (__ldcg), never a stale L1 line. Every read below is independent of the others, so they are
-  // issued side by side: a loop that waited on one L2 read per split cost ~0.15 us per split
-  // (measured over num_splits at batch 1 on an H100), ~7 us of a 1x8192 call at 47 splits.
-  // First per head, one warp: the max over the splits and the softmax sum, lanes striding over
-  // the splits with an online (max, sum) each, then merged across the warp by shuffles.
-  __shared__ float s_merged_max[G];
-  __shared__ float s_merged_inv_sum[G];
-  for (int h = warp; h < heads; h += kWarps) {  // warp-uniform: all lanes reach the shuffles
-    const int64_t row = row0 + h * a.num_splits;
-    float max_all = kNegBig, sum = 0.f;
-    for (int sp = lane; sp < active; sp += 32) {
-      const float2 st = __ldcg(&stats[row + sp]);
-      const float new_max = fmaxf(max_all, st.x);
-      sum = sum * exp2f(max_all - new_max) + st.y * exp2f(st.x - new_max);
-      max_all = new_max;
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float m_other = __shfl_xor_sync(0xffffffffu, max_all, offset);
-      const float l_other = __shfl_xor_sync(0xffffffffu, sum, offset);
-      const float new_max = fmaxf(max_all, m_other);
-      sum = sum * exp2f(max_all - new_max) + l_other * exp2f(m_other - new_max);
-      max_all = new_max;
-    }
-    if (lane == 0) {
-      s_merged_max[h] = max_all;
-      s_merged_inv_sum[h] = 1.f / sum;  // sum >= 1: the split holding the max adds >= 1
-    }
-  }
-  __syncthreads();
-  // Then each thread: 4 outputs of one head, summed over the splits, 8 splits' reads in flight.
+  // (__ldcg), never a stale L1 line. One pass: each thread merges its 4 outputs of one head over
+  // the splits with an online (max, sum), every split's reads independent of the others (8 in
+  // flight), so the merge waits for one round of L2 reads, not one per split or per pass.
   for (int i = threadIdx.x; i < heads * (D / 4); i += kThreads) {
     const int h = i / (D / 4);
     const int d = (i % (D / 4)) * 4;
     const int64_t row = row0 + h * a.num_splits;
-    const float max_all = s_merged_max[h];
+    float max_all = kNegBig, sum = 0.f;
     float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 8
     for (int sp = 0; sp < active; ++sp) {
       const float2 st = __ldcg(&stats[row + sp]);
       const float4 x = __ldcg(reinterpret_cast<const float4*>(partials + (row + sp) * D + d));
-      const float weight = exp2f(st.x - max_all) * st.y;
-      o[0] = fmaf(weight, x.x, o[0]);
-      o[1] = fmaf(weight, x.y, o[1]);
-      o[2] = fmaf(weight, x.z, o[2]);
-      o[3] = fmaf(weight, x.w, o[3]);
+      const float new_max = fmaxf(max_all, st.x);
+      const float rescale = exp2f(max_all - new_max);
+      const float weight = exp2f(st.x - new_max) * st.y;
+      sum = fmaf(sum, rescale, weight);
+      o[0] = fmaf(o[0], rescale, weight * x.x);
+      o[1] = fmaf(o[1], rescale, weight * x.y);
+      o[2] = fmaf(o[2], rescale, weight * x.z);
+      o[3] = fmaf(o[3], rescale, weight * x.w);
+      max_all = new_max;
     }
-    const float inv = s_merged_inv_sum[h];
+    const float inv = 1.f / sum;  // sum >= 1: the split holding the max adds >= 1
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] *= inv;
     store4(out + h * a.out_stride_h + d, o);
@@ -555,23 +547,40 @@ int log2_exact(int x) {
   return shift;
 }
 
-template <typename T, int D, int G>
-void launch_main(const PagedDecodeArgs& a, const Plan& plan, int64_t ctas, cudaStream_t stream) {
+template <typename T, int D, int G, int W>
+cudaError_t launch_warps(const PagedDecodeArgs& a, const Plan& plan, int64_t ctas,
+                         cudaStream_t stream) {
   constexpr bool kMma = paged_decode_tensor_cores(D, sizeof(T));
-  paged_decode_kernel<T, D, G, kMma><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a, plan);
+  constexpr int smem = smem_bytes<T, D, G, kMma, W>();
+  const auto kernel = paged_decode_kernel<T, D, G, kMma, W>;
+  if constexpr (smem > 48 * 1024) {  // the opt-in past 48 KB, per device: set at every launch
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+  }
+  kernel<<<static_cast<unsigned>(ctas), W * 32, smem, stream>>>(a, plan);
+  return cudaGetLastError();
+}
+
+template <typename T, int D, int G>
+cudaError_t launch_main(const PagedDecodeArgs& a, const Plan& plan, int warps, int64_t ctas,
+                        cudaStream_t stream) {
+  if constexpr (paged_decode_tensor_cores(D, sizeof(T))) {
+    if (warps == 8) return launch_warps<T, D, G, 8>(a, plan, ctas, stream);
+  }
+  return launch_warps<T, D, G, kWarps>(a, plan, ctas, stream);
 }
 
 template <typename T, int D>
-cudaError_t launch(const PagedDecodeArgs& a, const Plan& plan, int padded_group, int64_t ctas,
-                   cudaStream_t stream) {
+cudaError_t launch(const PagedDecodeArgs& a, const Plan& plan, int padded_group, int warps,
+                   int64_t ctas, cudaStream_t stream) {
   switch (padded_group) {
-    case 1: launch_main<T, D, 1>(a, plan, ctas, stream); break;
-    case 2: launch_main<T, D, 2>(a, plan, ctas, stream); break;
-    case 4: launch_main<T, D, 4>(a, plan, ctas, stream); break;
-    case 8: launch_main<T, D, 8>(a, plan, ctas, stream); break;
+    case 1: return launch_main<T, D, 1>(a, plan, warps, ctas, stream);
+    case 2: return launch_main<T, D, 2>(a, plan, warps, ctas, stream);
+    case 4: return launch_main<T, D, 4>(a, plan, warps, ctas, stream);
+    case 8: return launch_main<T, D, 8>(a, plan, warps, ctas, stream);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -594,13 +603,14 @@ cudaError_t paged_decode_attention(const PagedDecodeArgs& a, DType dtype, cudaSt
   plan.counter_floats = paged_decode_counter_floats(a.batch, a.num_q_heads);
   const int64_t ctas = static_cast<int64_t>(a.batch) * a.num_kv_heads * a.num_splits * g.chunks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const int warps = paged_decode_warps(a.num_splits, ctas, a.num_sms);  // 8 on tensor cores only
 
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     switch (a.head_dim) {
-      case 64: return launch<T, 64>(a, plan, g.padded, ctas, stream);
-      case 128: return launch<T, 128>(a, plan, g.padded, ctas, stream);
-      case 256: return launch<T, 256>(a, plan, g.padded, ctas, stream);
+      case 64: return launch<T, 64>(a, plan, g.padded, warps, ctas, stream);
+      case 128: return launch<T, 128>(a, plan, g.padded, warps, ctas, stream);
+      case 256: return launch<T, 256>(a, plan, g.padded, warps, ctas, stream);
       default: return cudaErrorInvalidValue;
     }
   });

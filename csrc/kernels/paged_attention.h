@@ -16,6 +16,7 @@ namespace pagedkv::kernels {
 struct PagedDecodeArgs : PagedAttentionArgs {
   float* workspace;  // paged_decode_workspace_floats(...) floats; unused if num_splits == 1
   int num_splits;    // >= 1: thread blocks that share one (sequence, kv head)
+  int num_sms;       // the device's SM count: how wide a CTA to launch (paged_decode_warps)
 };
 
 // head_dim in {64, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a multiple

@@ -66,9 +66,9 @@ inline int64_t paged_splits_filling(int64_t ctas, int64_t slots, int64_t max_blo
 // CTAs stream faster, so their fixed costs weigh more); none when the unsplit CTAs already run
 // >= 4 waves (the tail wave costs less than the splits' merges). On the H100 (132 SMs) this gives
 // what a sweep of num_splits measured best or within 1% of it (docs/measurements.md, session 9):
-// W3 (bf16, head_dim 128, tensor cores) 1x1024 16, 1x8192 16, 1x32768 32, 4x8192 8, 16x4096 2,
-// 64x2048 1, 256x1024 1; W1 (28 q / 4 kv heads, 16-block tables) batch 1 16, batch 8 4,
-// batch 32 1. (The CUDA-core loop's sweep, 2026-11-24: W3 16, 32, 48, 12, 3, 3, 1.)
+// W3 (bf16, head_dim 128, tensor cores) 1x1024 16, 1x8192 16, 1x32768 32, 4x8192 8, 16x4096 1
+// (8-warp CTAs; session 10), 64x2048 1, 256x1024 1; W1 (28 q / 4 kv heads, 16-block tables)
+// batch 1 16, batch 8 4, batch 32 1 (8-warp CTAs, not measured against 4). (The CUDA-core loop's sweep, 2026-11-24: W3 16, 32, 48, 12, 3, 3, 1.)
 inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                                    int64_t block_size, int64_t max_blocks, int64_t num_sms,
                                    bool tensor_cores) {
@@ -83,12 +83,23 @@ inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t n
   const int64_t min_tokens = tensor_cores ? 768 : 256;  // per split, per CTA an SM adds
   if (ctas >= 4 * num_sms * max_per_sm) return 1;
   int64_t splits = paged_splits_filling(ctas, num_sms, max_blocks);
+  // A grid that fills one CTA per SM unsplit runs so, as 8-warp CTAs on tensor cores
+  // (paged_decode_warps): at one wave the split merge's tail cost more than a second CTA per SM
+  // gained (16x4096: 93.4 us against 95.1 at 2 splits of 4-warp CTAs, session 10).
+  if (tensor_cores && splits == 1 && ctas <= num_sms) return 1;
   for (int per_sm = 2; per_sm <= max_per_sm; ++per_sm) {
     const int64_t more = paged_splits_filling(ctas, per_sm * num_sms, max_blocks);
     const int64_t tokens = (max_blocks + more - 1) / more * block_size;
     if (tokens >= min_tokens * (per_sm - 1)) splits = more;
   }
   return static_cast<int>(splits);
+}
+
+// Warps per CTA on the tensor-core loop (the CUDA-core loop always runs 4): 8 when the grid has no
+// split and at most one CTA per SM, so no SM has a second CTA's warps to keep its loads in flight;
+// else 4. `ctas` counts the CTAs of the launch (with its splits and head chunks).
+inline int paged_decode_warps(int64_t num_splits, int64_t ctas, int64_t num_sms) {
+  return num_splits == 1 && ctas <= num_sms ? 8 : 4;
 }
 
 // The split path's workspace, in fp32 units: int32 merge counters per (sequence, query head),

@@ -28,10 +28,10 @@ namespace pagedkv::kernels::decode {
 constexpr int kStageTokens = 8;  // N of S's tile and K of O's: one ldmatrix row per token
 constexpr int kStages = 2;
 
-// Shared memory of the rings, per CTA: [warp][stage][K, V][token][D].
-template <typename T, int D>
+// Shared memory of the rings of a CTA of W warps: [warp][stage][K, V][token][D].
+template <typename T, int D, int W>
 constexpr int ring_bytes() {
-  return kWarps * kStages * 2 * kStageTokens * D * static_cast<int>(sizeof(T));
+  return W * kStages * 2 * kStageTokens * D * static_cast<int>(sizeof(T));
 }
 
 // Element offset of 16-byte chunk `chunk` of token `token` (< 8) in a K or V tile. The chunk index
@@ -42,14 +42,16 @@ __device__ __forceinline__ int tile_offset(int token, int chunk) {
   return token * D + (chunk ^ token) * 8;
 }
 
-// One warp's share of the split [begin, end): its tokens begin + 8 * warp + 32 * i. Leaves the
-// warp's normalized-later partial output, max and sum (log2 units) of its heads in s_acc, s_max
-// and s_sum (a warp that saw no token leaves max kNegBig and sum 0). `ring_smem` is ring_bytes of
-// shared memory that s_acc may alias: the CTA syncs before the first write to s_acc.
-template <typename T, int D, int G>
+// One warp's share of the split [begin, end) in a CTA of W warps: its tokens begin + 8 * warp +
+// 8 * W * i. Leaves the warp's normalized-later partial output, max and sum (log2 units) of its
+// heads in s_acc, s_max and s_sum (a warp that saw no token leaves max kNegBig and sum 0).
+// `ring_smem` is ring_bytes of shared memory that s_acc may alias: the CTA syncs before the first
+// write to s_acc. `first_block` is the table entry of the warp's first tile (token begin +
+// 8 * warp), read by the caller before the context length arrives.
+template <typename T, int D, int G, int W>
 __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int block_shift, int b,
                                               int kv_head, int head0, int heads, int begin,
-                                              int end, unsigned char* ring_smem,
+                                              int end, int first_block, unsigned char* ring_smem,
                                               float (*s_acc)[G][D], float (*s_max)[G],
                                               float (*s_sum)[G]) {
   static_assert(G <= 8, "a head group is N = 8 columns of O's tile");
@@ -57,7 +59,7 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
   constexpr int kSteps = D / 16;                          // k16 steps of S, m16 tiles of O
   constexpr int kPieces = kStageTokens * kChunks / 32;    // a lane's copies per tile
   constexpr int kTile = kStageTokens * D;                 // elements of a K or V tile
-  constexpr int kWarpStride = kWarps * kStageTokens;
+  constexpr int kWarpStride = W * kStageTokens;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
   T* ring = reinterpret_cast<T*>(ring_smem) + warp * kStages * 2 * kTile;
@@ -89,7 +91,7 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
 
   // The stage to fill next: its first token and physical block (read one stage ahead).
   int next = begin + warp * kStageTokens;
-  int next_block = next < end ? __ldg(table + (next >> block_shift)) : 0;
+  int next_block = next < end ? first_block : 0;
   auto fill_next = [&](int stage) {
     if (next < end) {
       T* k_dst = ring + stage * 2 * kTile;
@@ -124,7 +126,9 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
     const T* k_tile = ring + stage * 2 * kTile;
     const T* v_tile = k_tile + kTile;
 
-    float c[4] = {0.f, 0.f, 0.f, 0.f};  // S: head g, tokens 2t, 2t + 1 (c2, c3: empty rows)
+    // S: head g, tokens 2t, 2t + 1 (c2, c3: empty rows). Odd k steps go to c_odd: two chains
+    // of D / 32 dependent mma each instead of one of D / 16, to shorten the wait for S.
+    float c[4] = {0.f, 0.f, 0.f, 0.f}, c_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < kSteps / 2; ++j) {
       uint32_t kb[4];
@@ -132,8 +136,10 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
       const uint32_t a0[4] = {qa[2 * j][0], 0u, qa[2 * j][1], 0u};
       const uint32_t a1[4] = {qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u};
       mma16816(c, a0, kb[0], kb[1], T{});
-      mma16816(c, a1, kb[2], kb[3], T{});
+      mma16816(c_odd, a1, kb[2], kb[3], T{});
     }
+    c[0] += c_odd[0];
+    c[1] += c_odd[1];
 
     // Online softmax in log2 units, with the CUDA-core loop's lazy rescale (the max moves only
     // when a score passes it by more than kRescaleSlack).

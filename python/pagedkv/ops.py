@@ -141,7 +141,7 @@ def paged_decode_attention(
     head_dim contiguous and the same strides (e.g. a head-major [num_blocks, Hkv, block_size, D]
     store passed as its transpose(1, 2) view), block_size a power of two in [8, 128], Hq a
     multiple of Hkv; block_tables: [B, max_blocks] int32 (entries past a sequence's blocks are
-    never read); context_lens: [B] int32, at most max_blocks * block_size, 0 for a padding row
+    never used); context_lens: [B] int32, at most max_blocks * block_size, 0 for a padding row
     (its output is zeros).
     out: like q, or None to allocate one. workspace: from ``paged_decode_workspace`` (allocated
     here when None; pass it under CUDA graphs and torch.compile). num_splits: 0 = automatic.
