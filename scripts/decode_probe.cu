@@ -29,16 +29,8 @@
 #include <random>
 #include <vector>
 
+#include "cuda_check.h"
 #include "kernels/paged_attention.cu"  // the kernel under test, with its launcher
-
-#define CHECK(x)                                                                             \
-  do {                                                                                       \
-    cudaError_t e_ = (x);                                                                    \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
 
 namespace {
 
@@ -69,7 +61,9 @@ __global__ void reference(const bf16* q, const bf16* k, const bf16* v, const int
   for (int t = threadIdx.x; t < ctx; t += blockDim.x) {
     const bf16* kr = row(k, t);
     float dot = 0.f;
-    for (int d = 0; d < kD; ++d) dot += __bfloat162float(q[(b * kHq + h) * kD + d]) * __bfloat162float(kr[d]);
+    for (int d = 0; d < kD; ++d) {
+      dot += __bfloat162float(q[(b * kHq + h) * kD + d]) * __bfloat162float(kr[d]);
+    }
     s[t] = dot * scale;
   }
   __syncthreads();
@@ -119,9 +113,10 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   CHECK(cudaMalloc(&out, p.batch * kHq * kD * sizeof(bf16)));
   fill_random<<<64, 256>>>(q, p.batch * kHq * kD, 99);
 
+  const bool tensor_cores = paged_decode_tensor_cores(kD, sizeof(bf16));
   const int splits = forced_splits > 0 ? forced_splits
-                                       : paged_decode_num_splits(p.batch, kHq, kHkv, kBlock, max_blocks, sms,
-                                                                 paged_decode_tensor_cores(kD, 2));
+                                       : paged_decode_num_splits(p.batch, kHq, kHkv, kBlock,
+                                                                 max_blocks, sms, tensor_cores);
   const int64_t ws_floats = paged_decode_workspace_floats(p.batch, kHq, kD, splits);
   float* workspace = nullptr;
   if (ws_floats > 0) {
@@ -162,14 +157,17 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   float *scores, *ref;
   CHECK(cudaMalloc(&scores, int64_t{p.batch} * kHq * p.ctx * sizeof(float)));
   CHECK(cudaMalloc(&ref, p.batch * kHq * kD * sizeof(float)));
-  reference<<<p.batch * kHq, 128>>>(q, k[0], v[0], d_table, p.ctx, max_blocks, a.scale, scores, ref);
+  reference<<<p.batch * kHq, 128>>>(q, k[0], v[0], d_table, p.ctx, max_blocks, a.scale, scores,
+                                    ref);
   CHECK(cudaDeviceSynchronize());
   std::vector<bf16> got(p.batch * kHq * kD);
   std::vector<float> want(got.size());
   CHECK(cudaMemcpy(got.data(), out, got.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
   CHECK(cudaMemcpy(want.data(), ref, want.size() * sizeof(float), cudaMemcpyDeviceToHost));
   float diff = 0.f;
-  for (size_t i = 0; i < got.size(); ++i) diff = std::max(diff, std::fabs(__bfloat162float(got[i]) - want[i]));
+  for (size_t i = 0; i < got.size(); ++i) {
+    diff = std::max(diff, std::fabs(__bfloat162float(got[i]) - want[i]));
+  }
 
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
@@ -200,7 +198,8 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   const float us = 1e3f * ms[ms.size() / 2];
   if (exec) CHECK(cudaGraphExecDestroy(exec));
   CHECK(cudaStreamDestroy(stream));
-  std::printf("| %s%s | %dx%d | %d | %.1f | %.0f | %.2g |\n", name, graph ? " (graph)" : "", p.batch, p.ctx, splits, us,
+  std::printf("| %s%s | %dx%d | %d | %.1f | %.0f | %.2g |\n", name, graph ? " (graph)" : "",
+              p.batch, p.ctx, splits, us,
               kv_bytes / (us * 1e-6) / 1e9, diff);
   std::fflush(stdout);
 
@@ -235,7 +234,8 @@ int main(int argc, char** argv) {
   Point one{};
   if (only && (std::sscanf(only, "%dx%d", &one.batch, &one.ctx) != 2 || one.batch < 1 ||
                one.ctx < kBlock || one.ctx % kBlock != 0)) {
-    std::fprintf(stderr, "--point takes BATCHxCONTEXT (context a multiple of %d), got %s\n", kBlock, only);
+    std::fprintf(stderr, "--point takes BATCHxCONTEXT (context a multiple of %d), got %s\n",
+                 kBlock, only);
     return 2;
   }
   std::vector<Point> points = {{1, 32768}, {16, 4096}, {64, 2048}, {256, 1024}};

@@ -20,6 +20,8 @@
 //                 wait for the current: two iterations in flight while a warp waits);
 //   ring SxU:     cp.async into a per-warp shared-memory ring of S stages of U loads per lane
 //                 (warp-private: no CTA barrier), folded from shared memory;
+//   ring SxU heads: the same ring, but a CTA's 4 warps take 4 adjacent heads over every token of
+//                 a quarter of the split (1 KB of each token-major row of 8 heads per CTA);
 // at 1-4 CTAs of 128 threads per SM (held by dynamic shared memory) and 1 or more splits of each
 // stream across CTAs. GB/s counts the K and V bytes read. Each time is the median over 20 event
 // pairs around 10 launches back to back (so launch gaps are amortized, as in bench_attention.py's
@@ -39,20 +41,12 @@
 #include <random>
 #include <vector>
 
+#include "cuda_check.h"
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
 
 using pagedkv::kernels::cp_async16_stream;  // the decode kernel's K/V copy and load, timed
 using pagedkv::kernels::load16_stream;      // here as they are
-
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
 
 constexpr int kHkv = 8, kRowBytes = 256, kBlock = 16, kThreads = 128, kWarps = kThreads / 32;
 

@@ -235,13 +235,15 @@ def test_cta_width_on_either_side_of_one_cta_per_sm(dtype, head_dim):
         gen = torch.Generator().manual_seed(batch)
         lens = torch.randint(1, 600, (batch,), generator=gen).tolist()
         lens[:3] = [1, 16, 17]  # one token, exactly a block, a block + 1
-        k_cache, v_cache, table, lens = make_paged_cache(lens, num_kv_heads, head_dim, 16, dtype, "cuda")
+        k_cache, v_cache, table, lens = make_paged_cache(
+            lens, num_kv_heads, head_dim, 16, dtype, "cuda")
         q = torch.randn(batch, 4 * num_kv_heads, head_dim, dtype=dtype, device="cuda")
         eager = run_and_check(q, k_cache, v_cache, table, lens, num_splits=1)
         out = torch.full_like(q, float("nan"))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            ops.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim**-0.5, out=out, num_splits=1)
+            ops.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim**-0.5, out=out,
+                                       num_splits=1)
         graph.replay()
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
 

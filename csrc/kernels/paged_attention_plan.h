@@ -65,10 +65,11 @@ inline int64_t paged_splits_filling(int64_t ctas, int64_t slots, int64_t max_blo
 // each split then keeps >= 256 * (k - 1) tokens (768 * (k - 1) on the tensor-core loop, whose
 // CTAs stream faster, so their fixed costs weigh more); none when the unsplit CTAs already run
 // >= 4 waves (the tail wave costs less than the splits' merges). On the H100 (132 SMs) this gives
-// what a sweep of num_splits measured best or within 1% of it (docs/measurements.md, session 9):
-// W3 (bf16, head_dim 128, tensor cores) 1x1024 16, 1x8192 16, 1x32768 32, 4x8192 8, 16x4096 1
-// (8-warp CTAs; session 10), 64x2048 1, 256x1024 1; W1 (28 q / 4 kv heads, 16-block tables)
-// batch 1 16, batch 8 4, batch 32 1 (8-warp CTAs, not measured against 4). (The CUDA-core loop's sweep, 2026-11-24: W3 16, 32, 48, 12, 3, 3, 1.)
+// what a sweep of num_splits measured best or within 1% of it (docs/measurements.md, sessions
+// 9-10): W3 (bf16, head_dim 128, tensor cores) 1x1024 16, 1x8192 16, 1x32768 32, 4x8192 8,
+// 16x4096 1 (8-warp CTAs), 64x2048 1, 256x1024 1; W1 (28 q / 4 kv heads, 16-block tables)
+// batch 1 16, batch 8 4, batch 32 1 (8-warp CTAs, not measured against 4). (The CUDA-core
+// loop's sweep, 2026-11-24: W3 16, 32, 48, 12, 3, 3, 1.)
 inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                                    int64_t block_size, int64_t max_blocks, int64_t num_sms,
                                    bool tensor_cores) {
