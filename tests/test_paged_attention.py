@@ -293,7 +293,7 @@ def test_cuda_graph_capture_and_replay():
 # (batch, q heads, kv heads, max_blocks) -> splits on a 132-SM H100, block 16, bf16 and head_dim
 # 128 (the tensor-core loop): W3's points and W1's decode (28 q / 4 kv heads, 16-block tables).
 # Each is what a sweep of num_splits on the H100 measured fastest or within 1% of it
-# (docs/measurements.md, session 9).
+# (docs/measurements.md, sessions 9-10; 16x4096's 1 split runs 8-warp CTAs).
 SWEPT_SPLITS = {
     (1, 32, 8, 64): 16, (1, 32, 8, 512): 16, (1, 32, 8, 2048): 32, (4, 32, 8, 512): 8,
     (16, 32, 8, 256): 1, (64, 32, 8, 128): 1, (256, 32, 8, 64): 1,

@@ -27,8 +27,7 @@ int sm_count(int device) {
 
 // The automatic split count: shapes and the SM count only, never context_lens.
 int64_t auto_num_splits(const at::Tensor& q, const at::Tensor& k_cache,
-                        const at::Tensor& block_tables) {
-  const int num_sms = sm_count(q.device().index());
+                        const at::Tensor& block_tables, int num_sms) {
   const bool tensor_cores = kernels::paged_decode_tensor_cores(
       static_cast<int>(q.size(2)), static_cast<int>(q.element_size()));
   return kernels::paged_decode_num_splits(q.size(0), q.size(1), k_cache.size(2), k_cache.size(1),
@@ -47,7 +46,8 @@ void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at:
   kernels::PagedDecodeArgs args{};
   fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale);
   const c10::cuda::CUDAGuard guard(q.device());
-  if (num_splits == 0) num_splits = auto_num_splits(q, k_cache, block_tables);
+  const int num_sms = sm_count(q.device().index());
+  if (num_splits == 0) num_splits = auto_num_splits(q, k_cache, block_tables, num_sms);
   const int64_t needed =
       kernels::paged_decode_workspace_floats(q.size(0), q.size(1), q.size(2), num_splits);
   TORCH_CHECK(workspace.numel() >= needed, "pagedkv: workspace has ", workspace.numel(),
@@ -58,7 +58,7 @@ void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at:
 
   args.workspace = needed > 0 ? workspace.data_ptr<float>() : nullptr;
   args.num_splits = static_cast<int>(num_splits);
-  args.num_sms = sm_count(q.device().index());
+  args.num_sms = num_sms;
   C10_CUDA_CHECK(kernels::paged_decode_attention(args, kernel_dtype(q),
                                                  c10::cuda::getCurrentCUDAStream()));
 }

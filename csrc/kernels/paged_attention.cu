@@ -1,10 +1,11 @@
 // Paged decode attention. One thread block (CTA) per (sequence, kv head, split, head chunk); it
 // serves all query heads of that kv head (GQA: each K/V row is read once for the whole group).
-// Inside a CTA, 4 warps take turns over the split's tokens, each with its own fp32 online softmax
-// (max, sum, output), merged through shared memory at the end. Two main loops:
+// Inside a CTA, 4 warps (8 for an unsplit grid of at most one CTA per SM on tensor cores) take
+// turns over the split's tokens, each with its own fp32 online softmax (max, sum, output), merged
+// through shared memory at the end. Two main loops:
 //   - tensor cores (paged_decode_mma.cuh; bf16/fp16 at head_dim 64 and 128, so W1 and W3):
 //     per warp a 2-stage cp.async ring of 8-token K/V tiles, scores and the weighted sum as
-//     mma.sync tiles (111 registers, 4 CTAs per SM);
+//     mma.sync tiles (at most 116 registers, 4 CTAs of 4 warps per SM);
 //   - CUDA cores (below; fp32, head_dim 256): a token row of one kv head is read by kLanes lanes
 //     with 16-byte loads that bypass L1 (every row is read once), so a warp reads 32 / kLanes
 //     tokens side by side and kSteps of those per iteration: every lane has kSteps K and kSteps V

@@ -19,7 +19,8 @@ constexpr bool paged_decode_tensor_cores(int head_dim, int elem_bytes) {
 // CTAs of 128 threads resident per SM: the kernel's launch bounds hold its registers to this
 // (65536 / (128 * n) per thread: 128, 170, 255), and the split heuristic plans with it. On the
 // CUDA-core loop each query head of the group costs a lane 2 x 8 fp32 registers (query and output
-// slices); the tensor-core loop needs 111 at any group and 32 KB of shared memory: 4 CTAs.
+// slices); the tensor-core loop needs at most 116 at any group and 32 KB of shared memory: 4 CTAs
+// (of 4 warps; 2 of the 8-warp CTAs paged_decode_warps picks).
 constexpr int paged_ctas_per_sm(int padded_group, bool tensor_cores) {
   return tensor_cores ? 4 : padded_group >= 8 ? 2 : padded_group >= 4 ? 3 : 4;
 }
@@ -58,6 +59,13 @@ inline int64_t paged_splits_filling(int64_t ctas, int64_t slots, int64_t max_blo
   return best;
 }
 
+// Warps per CTA on the tensor-core loop (the CUDA-core loop always runs 4): 8 when the grid has no
+// split and at most one CTA per SM, so no SM has a second CTA's warps to keep its loads in flight;
+// else 4. `ctas` counts the CTAs of the launch (with its splits and head chunks).
+inline int paged_decode_warps(int64_t num_splits, int64_t ctas, int64_t num_sms) {
+  return num_splits == 1 && ctas <= num_sms ? 8 : 4;
+}
+
 // Splits of each sequence's context (>= 1), from shapes only. Every SM should stream K/V, but a
 // CTA beyond the first on an SM pays its own prologue (context length -> block table -> K/V,
 // three dependent reads) and one more partial to merge, which only long splits repay. So: the
@@ -84,23 +92,16 @@ inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t n
   const int64_t min_tokens = tensor_cores ? 768 : 256;  // per split, per CTA an SM adds
   if (ctas >= 4 * num_sms * max_per_sm) return 1;
   int64_t splits = paged_splits_filling(ctas, num_sms, max_blocks);
-  // A grid that fills one CTA per SM unsplit runs so, as 8-warp CTAs on tensor cores
-  // (paged_decode_warps): at one wave the split merge's tail cost more than a second CTA per SM
-  // gained (16x4096: 93.4 us against 95.1 at 2 splits of 4-warp CTAs, session 10).
-  if (tensor_cores && splits == 1 && ctas <= num_sms) return 1;
+  // A grid that fills one CTA per SM unsplit runs so, as 8-warp CTAs on tensor cores: at one
+  // wave the split merge's tail cost more than a second CTA per SM gained (16x4096: 93.4 us
+  // against 95.1 at 2 splits of 4-warp CTAs, session 10).
+  if (tensor_cores && splits == 1 && paged_decode_warps(1, ctas, num_sms) == 8) return 1;
   for (int per_sm = 2; per_sm <= max_per_sm; ++per_sm) {
     const int64_t more = paged_splits_filling(ctas, per_sm * num_sms, max_blocks);
     const int64_t tokens = (max_blocks + more - 1) / more * block_size;
     if (tokens >= min_tokens * (per_sm - 1)) splits = more;
   }
   return static_cast<int>(splits);
-}
-
-// Warps per CTA on the tensor-core loop (the CUDA-core loop always runs 4): 8 when the grid has no
-// split and at most one CTA per SM, so no SM has a second CTA's warps to keep its loads in flight;
-// else 4. `ctas` counts the CTAs of the launch (with its splits and head chunks).
-inline int paged_decode_warps(int64_t num_splits, int64_t ctas, int64_t num_sms) {
-  return num_splits == 1 && ctas <= num_sms ? 8 : 4;
 }
 
 // The split path's workspace, in fp32 units: int32 merge counters per (sequence, query head),
