@@ -3,7 +3,8 @@ sequence of the batch at the full context, physical blocks shuffled (`--table se
 sequence's blocks in order, one after another, as a fresh cache allocates them; what the shuffle
 costs in DRAM locality). Side by side in one run:
 
-- pagedkv.ops.paged_decode_attention (CUDA graph replay, workspace preallocated);
+- pagedkv.ops.paged_decode_attention (CUDA graph replay, workspace preallocated), and with the
+  shuffled table also over the same caches through sequential tables (what block scatter costs);
 - the HF way: gather the blocks into dense K/V, then scaled_dot_product_attention;
 - pagedkv's tensor-core prefill kernel (ops.paged_prefill_attention) on the same decode batch,
   one query row per sequence and no split of the context: how fast an mma.sync path with K/V
@@ -108,7 +109,7 @@ def bench_point(batch: int, context: int, device: str, table_order: str = "shuff
     workspace = ops.paged_decode_workspace(q, caches[0][0], table)
     table_long = table.long()
 
-    def pagedkv(k_cache, v_cache):
+    def pagedkv(k_cache, v_cache, table=table):
         ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, out=out, workspace=workspace)
 
     def gather(cache):  # [B, Hkv, context, D], as HF's paged path assembles K/V before SDPA
@@ -129,6 +130,10 @@ def bench_point(batch: int, context: int, device: str, table_order: str = "shuff
     expected = dense_sdpa(*dense[0]).squeeze(2)
     row["max_diff"] = (out.float() - expected.float()).abs().max().item()
     row["pagedkv_us"] = time_us([lambda c=c: pagedkv(*c) for c in caches], device)
+    row["sequential_us"] = None
+    if table_order == "shuffled":  # the same caches, each sequence's blocks in order
+        in_order = torch.arange(num_blocks, device=device).view(batch, max_blocks).to(torch.int32)
+        row["sequential_us"] = time_us([lambda c=c: pagedkv(*c, table=in_order) for c in caches], device)
     row["gather_us"] = time_us([lambda c=c: gather_sdpa(*c) for c in caches], device)
     row["dense_us"] = time_us([lambda d=d: dense_sdpa(*d) for d in dense], device)
     # The prefill kernel on the same batch: each sequence's one new token is row b of q.
@@ -151,7 +156,7 @@ def bench_point(batch: int, context: int, device: str, table_order: str = "shuff
             fi_diff = (flashinfer().float() - expected.float()).abs().max().item()
             row["flashinfer_us"] = time_us([lambda c=c: flashinfer(c) for c in caches], device)
             row["flashinfer_note"] = f"FlashInfer max abs diff vs dense SDPA {fi_diff:.3g}"
-    for name in ("pagedkv", "prefill", "gather", "dense", "flashinfer"):
+    for name in ("pagedkv", "sequential", "prefill", "gather", "dense", "flashinfer"):
         us = row[f"{name}_us"]
         row[f"{name}_gbs"] = kv_bytes / (us * 1e-6) / 1e9 if us else None
     return row
@@ -182,12 +187,16 @@ def main() -> None:
     def gbs(v):
         return v if v is not None else "n/a"
 
+    def ratio(r, name):  # pagedkv's GB/s over another system's, from the same run
+        return r["pagedkv_gbs"] / r[f"{name}_gbs"] if r[f"{name}_gbs"] else "n/a"
+
     header = ["batch x context", "splits", "cache copies", "pagedkv us", "pagedkv GB/s", "% of copy BW",
-              "prefill kernel GB/s", "gather+SDPA us", "gather+SDPA GB/s", "dense SDPA GB/s",
-              "FlashInfer GB/s", "speed-up vs gather+SDPA", "max abs diff vs SDPA"]
+              "pagedkv GB/s, blocks in order", "prefill kernel GB/s", "gather+SDPA us", "gather+SDPA GB/s",
+              "dense SDPA GB/s", "FlashInfer GB/s", "vs gather+SDPA", "vs dense SDPA", "vs FlashInfer",
+              "max abs diff vs SDPA"]
     table_rows = [[r["point"], r["splits"], r["copies"], r["pagedkv_us"], r["pagedkv_gbs"], 100 * r["pagedkv_gbs"] / copy_gbs,
-                   r["prefill_gbs"], r["gather_us"], r["gather_gbs"], r["dense_gbs"],
-                   gbs(r["flashinfer_gbs"]), r["gather_us"] / r["pagedkv_us"],
+                   gbs(r["sequential_gbs"]), r["prefill_gbs"], r["gather_us"], r["gather_gbs"], r["dense_gbs"],
+                   gbs(r["flashinfer_gbs"]), ratio(r, "gather"), ratio(r, "dense"), ratio(r, "flashinfer"),
                    max(r["max_diff"], r["max_diff_prefill"])] for r in rows]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     title = (f"W3 paged decode attention, {str(DTYPE).removeprefix('torch.')}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, "
@@ -198,6 +207,8 @@ def main() -> None:
         text += "\n\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes))
     save_table(args.out, "bench_attention", title, text)
     series = {"pagedkv": [r["pagedkv_gbs"] for r in rows],
+              **({"pagedkv, blocks in order": [r["sequential_gbs"] for r in rows]}
+                 if args.table == "shuffled" else {}),
               "pagedkv prefill kernel": [r["prefill_gbs"] for r in rows],
               "gather+SDPA": [r["gather_gbs"] for r in rows],
               "dense SDPA": [r["dense_gbs"] for r in rows]}

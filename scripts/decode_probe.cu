@@ -12,10 +12,12 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 --use_fast_math \
 //        --expt-relaxed-constexpr -Icsrc -o decode_probe scripts/decode_probe.cu
-//   ./decode_probe [NAME] [--splits N] [--point BxC] [--graph]
+//   ./decode_probe [NAME] [--splits N] [--point BxC] [--graph] [--table ORDER]
 // NAME labels the rows; --splits forces num_splits; --point runs that batch x context alone
 // instead of W3's four bandwidth-bound points (e.g. under ncu); --graph times the launches as
-// one CUDA graph's replays.
+// one CUDA graph's replays; --table orders the physical blocks: shuffled (default), sequential
+// (each sequence's blocks in order, one after another) or runs (shuffled within runs of 64
+// blocks, 2 MB of K: the memory pages touched stay those of the sequential order).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -87,7 +89,10 @@ struct Point {
   int batch, ctx;
 };
 
-void run_point(const Point& p, const char* name, int forced_splits, int sms, bool graph) {
+enum class Order { kShuffled, kSequential, kRuns };
+
+void run_point(const Point& p, const char* name, int forced_splits, int sms, bool graph,
+               Order order) {
   using namespace pagedkv::kernels;
   const int max_blocks = p.ctx / kBlock, num_blocks = p.batch * max_blocks;
   const int64_t cache_elems = int64_t{num_blocks} * kBlock * kHkv * kD;
@@ -102,7 +107,11 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   }
   std::vector<int> table(num_blocks), lens(p.batch, p.ctx);
   std::iota(table.begin(), table.end(), 0);
-  std::shuffle(table.begin(), table.end(), std::mt19937(p.batch * 7919 + p.ctx));
+  std::mt19937 rng(p.batch * 7919 + p.ctx);
+  if (order == Order::kShuffled) std::shuffle(table.begin(), table.end(), rng);
+  for (int run = 0; order == Order::kRuns && run < num_blocks; run += 64) {
+    std::shuffle(table.begin() + run, table.begin() + std::min(run + 64, num_blocks), rng);
+  }
   int *d_table, *d_lens;
   bf16 *q, *out;
   CHECK(cudaMalloc(&d_table, num_blocks * sizeof(int)));
@@ -198,7 +207,9 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   const float us = 1e3f * ms[ms.size() / 2];
   if (exec) CHECK(cudaGraphExecDestroy(exec));
   CHECK(cudaStreamDestroy(stream));
-  std::printf("| %s%s | %dx%d | %d | %.1f | %.0f | %.2g |\n", name, graph ? " (graph)" : "",
+  const char* order_name[] = {"", ", sequential", ", 64-block runs"};
+  std::printf("| %s%s%s | %dx%d | %d | %.1f | %.0f | %.2g |\n", name, graph ? " (graph)" : "",
+              order_name[static_cast<int>(order)],
               p.batch, p.ctx, splits, us,
               kv_bytes / (us * 1e-6) / 1e9, diff);
   std::fflush(stdout);
@@ -223,10 +234,21 @@ int main(int argc, char** argv) {
   int forced_splits = 0;
   const char* only = nullptr;
   bool graph = false;
+  Order order = Order::kShuffled;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--splits") == 0 && i + 1 < argc) forced_splits = std::atoi(argv[++i]);
     else if (std::strcmp(argv[i], "--point") == 0 && i + 1 < argc) only = argv[++i];
     else if (std::strcmp(argv[i], "--graph") == 0) graph = true;
+    else if (std::strcmp(argv[i], "--table") == 0 && i + 1 < argc) {
+      const char* o = argv[++i];
+      if (std::strcmp(o, "shuffled") == 0) order = Order::kShuffled;
+      else if (std::strcmp(o, "sequential") == 0) order = Order::kSequential;
+      else if (std::strcmp(o, "runs") == 0) order = Order::kRuns;
+      else {
+        std::fprintf(stderr, "--table takes shuffled, sequential or runs, got %s\n", o);
+        return 2;
+      }
+    }
     else name = argv[i];
   }
   int sms = 0;
@@ -240,6 +262,6 @@ int main(int argc, char** argv) {
   }
   std::vector<Point> points = {{1, 32768}, {16, 4096}, {64, 2048}, {256, 1024}};
   if (only) points = {one};
-  for (const Point& p : points) run_point(p, name, forced_splits, sms, graph);
+  for (const Point& p : points) run_point(p, name, forced_splits, sms, graph, order);
   return 0;
 }

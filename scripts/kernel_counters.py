@@ -12,7 +12,8 @@
             generate() reserves for prompt 128 + 128 new tokens, the contexts 128-256 of the run):
             in a W1 step attention is ~5% of the time and latency-bound, with 4 splits chosen.
 
-    python scripts/kernel_counters.py counters|sweep|sweep-w1
+    python scripts/kernel_counters.py counters|sweep|sweep-w1 [--points BxC,...]
+(--points replaces a sweep's batch x context points.)
 """
 
 from __future__ import annotations
@@ -126,15 +127,17 @@ def sweep(points, heads=(NUM_Q_HEADS, NUM_KV_HEADS), table_tokens=None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["counters", "sweep", "sweep-w1"])
+    parser.add_argument("--points", type=lambda text: [tuple(map(int, p.split("x"))) for p in text.split(",")],
+                        help="batch x context points of a sweep, e.g. 1x512,8x512 (default: the mode's own)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_counters.py: needs a CUDA GPU")
     if args.mode == "counters":
         counters()
     elif args.mode == "sweep":
-        sweep(SWEEP_POINTS)
+        sweep(args.points or SWEEP_POINTS)
     else:
-        sweep(W1_SWEEP_POINTS, W1_HEADS, W1_TABLE_TOKENS)
+        sweep(args.points or W1_SWEEP_POINTS, W1_HEADS, W1_TABLE_TOKENS)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@
 //
 //   nvcc -O3 -gencode=arch=compute_90,code=sm_90 -Icsrc -o read_probe scripts/read_probe.cu
 //   ./read_probe > read_probe.md; ./read_probe compute > read_probe_compute.md
+//   ./read_probe tables [random] > read_probe_tables.md  (block orders: shuffled, sequential,
+//   64-block runs; random: K/V of random bits instead of constant bytes)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -212,6 +214,18 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Shape s) {
   if (acc == 0x9e3779b9u) s.sink[blockIdx.x] = acc;
 }
 
+// Random 32-bit words (a hash of the index and seed).
+__global__ void fill_random(uint32_t* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    x[i] = h * 2654435761u;
+  }
+}
+
 struct Variant {
   const char* name;
   void (*kernel)(Shape);
@@ -260,6 +274,13 @@ int main(int argc, char** argv) {
   // structure with 0 or 48 FMAs a piece and 0, 4 or 8 shuffles: does arithmetic between the
   // waits cost a ring its lead over registers?
   const bool compute = argc > 1 && std::strcmp(argv[1], "compute") == 0;
+  // "tables": the paged layouts through three block orders (shuffled, sequential, shuffled only
+  // within runs of 64 blocks, 2 MB of token-major K: the pages a TLB entry maps stay those of the
+  // sequential order) at 3-4 CTAs per SM: is the paged cost the layout, the table or the scatter?
+  const bool tables = argc > 1 && std::strcmp(argv[1], "tables") == 0;
+  // "random" (after the mode): K/V filled with random bits instead of constant bytes (the bits a
+  // model's cache holds; DRAM moves both equally fast only if the data does not matter).
+  const bool random = argc > 2 && std::strcmp(argv[2], "random") == 0;
   int smem_per_sm = 0, sms = 0;
   CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -280,6 +301,7 @@ int main(int argc, char** argv) {
                                      ring<2, 8, 48, 4>("ring 2x8 +48 +4 shfl"),
                                      ring<2, 8, 48, 8>("ring 2x8 +48 +8 shfl"),
                                      ring<4, 8, 48, 4>("ring 4x8 +48 +4 shfl")}
+      : tables ? std::vector<Variant>{regs<8, 1>("regs2 8"), ring<2, 8>("ring 2x8")}
               : std::vector<Variant>{regs<8, 0>("regs 8"),   regs<32, 0>("regs 32"),
                                      regs<8, 1>("regs2 8"),   regs<16, 1>("regs2 16"),
                                      regs<8, 2>("regsdb 8"),   regs<16, 2>("regsdb 16"),
@@ -296,38 +318,59 @@ int main(int argc, char** argv) {
   for (const Point& p : points) {
     const int max_blocks = p.ctx / kBlock, num_blocks = p.batch * max_blocks;
     const size_t bytes = static_cast<size_t>(num_blocks) * kBlock * kHkv * kRowBytes;
-    std::vector<int> table(num_blocks);
-    std::iota(table.begin(), table.end(), 0);
-    std::shuffle(table.begin(), table.end(), rng);
+    // Block orders: [0] shuffled (every mode), [1] sequential, [2] shuffled within 64-block runs.
+    std::vector<std::vector<int>> orders(tables ? 3 : 1, std::vector<int>(num_blocks));
+    for (auto& order : orders) std::iota(order.begin(), order.end(), 0);
+    std::shuffle(orders[0].begin(), orders[0].end(), rng);
+    if (tables) {
+      for (int run = 0; run < num_blocks; run += 64) {
+        std::shuffle(orders[2].begin() + run, orders[2].begin() + std::min(run + 64, num_blocks), rng);
+      }
+    }
     int* d_table;
     char *k, *v;
     unsigned* sink;
-    CHECK(cudaMalloc(&d_table, num_blocks * sizeof(int)));
-    CHECK(cudaMemcpy(d_table, table.data(), num_blocks * sizeof(int), cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&d_table, orders.size() * num_blocks * sizeof(int)));
+    for (size_t o = 0; o < orders.size(); ++o) {
+      CHECK(cudaMemcpy(d_table + o * num_blocks, orders[o].data(), num_blocks * sizeof(int),
+                       cudaMemcpyHostToDevice));
+    }
     CHECK(cudaMalloc(&k, bytes));
     CHECK(cudaMalloc(&v, bytes));
-    CHECK(cudaMemset(k, 1, bytes));
-    CHECK(cudaMemset(v, 2, bytes));
+    if (random) {
+      fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(k), bytes / 4, 1);
+      fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(v), bytes / 4, 2);
+      CHECK(cudaGetLastError());
+    } else {
+      CHECK(cudaMemset(k, 1, bytes));
+      CHECK(cudaMemset(v, 2, bytes));
+    }
     CHECK(cudaMalloc(&sink, 1 << 20));
     std::printf("## %dx%d (K+V %.0f MB), GB/s\n\n", p.batch, p.ctx, 2.0 * bytes / 1e6);
-    std::printf("| layout | splits | CTAs/SM |");
+    std::printf("| layout | table | splits | CTAs/SM |");
     for (const Variant& var : variants) std::printf(" %s |", var.name);
-    std::printf("\n|---|---|---|");
+    std::printf("\n|---|---|---|---|");
     for (size_t i = 0; i < variants.size(); ++i) std::printf("---|");
     std::printf("\n");
     const char* layouts[] = {"dense", "paged", "paged-hm"};
+    const char* order_names[] = {"shuffled", "sequential", "64-block runs"};
+    const int min_per_sm = compute ? 3 : tables ? 3 : 1, max_per_sm = compute ? 3 : 4;
     for (int layout = compute ? 1 : 0; layout < (compute ? 2 : 3); ++layout) {
-      for (int splits : p.splits) {
-        for (int per_sm = compute ? 3 : 1; per_sm <= (compute ? 3 : 4); ++per_sm) {
-          Shape s{d_table, k, v, p.batch, p.ctx, max_blocks, splits, layout, sink};
-          std::printf("| %s | %d | %d |", layouts[layout], splits, per_sm);
-          for (const Variant& var : variants) {
-            const float ms = time_ms(var, s, per_sm, smem_per_sm);
-            if (ms < 0) std::printf(" - |");
-            else std::printf(" %.0f |", 2.0 * bytes / (ms * 1e-3) / 1e9);
+      for (size_t o = 0; o < (layout == 0 ? 1 : orders.size()); ++o) {
+        for (int splits : p.splits) {
+          for (int per_sm = min_per_sm; per_sm <= max_per_sm; ++per_sm) {
+            Shape s{d_table + o * num_blocks, k, v, p.batch, p.ctx, max_blocks, splits, layout,
+                    sink};
+            std::printf("| %s | %s | %d | %d |", layouts[layout], layout ? order_names[o] : "-",
+                        splits, per_sm);
+            for (const Variant& var : variants) {
+              const float ms = time_ms(var, s, per_sm, smem_per_sm);
+              if (ms < 0) std::printf(" - |");
+              else std::printf(" %.0f |", 2.0 * bytes / (ms * 1e-3) / 1e9);
+            }
+            std::printf("\n");
+            std::fflush(stdout);
           }
-          std::printf("\n");
-          std::fflush(stdout);
         }
       }
     }
