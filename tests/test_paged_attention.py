@@ -226,24 +226,28 @@ def test_split_and_no_split_paths_agree(num_splits):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cta_width_on_either_side_of_one_cta_per_sm(dtype, head_dim):
-    """An unsplit grid of at most one CTA per SM runs 8-warp CTAs on the tensor-core loop (64 KB
-    of rings, past the 48 KB default), one CTA more runs 4-warp CTAs: both match the reference,
-    eagerly and replayed from a CUDA graph."""
+    """A grid of at most one CTA per SM runs 8-warp CTAs on the tensor-core loop (64 KB of rings,
+    past the 48 KB default) unsplit or in splits of >= 512 tokens (merged across CTAs), one CTA
+    more runs 4-warp CTAs: all match the reference, eagerly and replayed from a CUDA graph."""
     num_kv_heads = 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch in (sms // num_kv_heads, sms // num_kv_heads + 1):
+    per_split = sms // (4 * num_kv_heads)  # batch that fills one CTA per SM at 4 splits
+    for batch, num_splits in ((sms // num_kv_heads, 1), (sms // num_kv_heads + 1, 1),
+                              (per_split, 4), (per_split + 1, 4)):
         gen = torch.Generator().manual_seed(batch)
-        lens = torch.randint(1, 600, (batch,), generator=gen).tolist()
-        lens[:3] = [1, 16, 17]  # one token, exactly a block, a block + 1
+        longest = 600 if num_splits == 1 else 2600  # 4 splits of 656 tokens
+        lens = torch.randint(1, longest, (batch,), generator=gen).tolist()
+        lens[:4] = [1, 16, 17, longest][:batch]  # one token, exactly a block, a block + 1
         k_cache, v_cache, table, lens = make_paged_cache(
             lens, num_kv_heads, head_dim, 16, dtype, "cuda")
         q = torch.randn(batch, 4 * num_kv_heads, head_dim, dtype=dtype, device="cuda")
-        eager = run_and_check(q, k_cache, v_cache, table, lens, num_splits=1)
+        eager = run_and_check(q, k_cache, v_cache, table, lens, num_splits=num_splits)
+        workspace = ops.paged_decode_workspace(q, k_cache, table, num_splits)
         out = torch.full_like(q, float("nan"))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             ops.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim**-0.5, out=out,
-                                       num_splits=1)
+                                       workspace=workspace, num_splits=num_splits)
         graph.replay()
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
@@ -293,9 +297,10 @@ def test_cuda_graph_capture_and_replay():
 # (batch, q heads, kv heads, max_blocks) -> splits on a 132-SM H100, block 16, bf16 and head_dim
 # 128 (the tensor-core loop): W3's points and W1's decode (28 q / 4 kv heads, 16-block tables).
 # Each is what a sweep of num_splits on the H100 measured fastest or within 1% of it
-# (docs/measurements.md, sessions 9-10; 16x4096's 1 split runs 8-warp CTAs).
+# (docs/measurements.md, sessions 9-11; a grid of at most 132 CTAs runs 8-warp CTAs, unsplit or
+# in splits of >= 512 tokens: 16x4096 at 1 split, 1x8192 and 1x32768 at 16).
 SWEPT_SPLITS = {
-    (1, 32, 8, 64): 16, (1, 32, 8, 512): 16, (1, 32, 8, 2048): 32, (4, 32, 8, 512): 8,
+    (1, 32, 8, 64): 16, (1, 32, 8, 512): 16, (1, 32, 8, 2048): 16, (4, 32, 8, 512): 4,
     (16, 32, 8, 256): 1, (64, 32, 8, 128): 1, (256, 32, 8, 64): 1,
     (1, 28, 4, 16): 16, (8, 28, 4, 16): 4, (32, 28, 4, 16): 1,
 }

@@ -604,7 +604,8 @@ cudaError_t paged_decode_attention(const PagedDecodeArgs& a, DType dtype, cudaSt
   plan.counter_floats = paged_decode_counter_floats(a.batch, a.num_q_heads);
   const int64_t ctas = static_cast<int64_t>(a.batch) * a.num_kv_heads * a.num_splits * g.chunks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const int warps = paged_decode_warps(a.num_splits, ctas, a.num_sms);  // 8 on tensor cores only
+  // 8 on tensor cores only.
+  const int warps = paged_decode_warps(a.num_splits, ctas, a.num_sms, plan.tokens_per_split);
 
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

@@ -59,11 +59,18 @@ inline int64_t paged_splits_filling(int64_t ctas, int64_t slots, int64_t max_blo
   return best;
 }
 
-// Warps per CTA on the tensor-core loop (the CUDA-core loop always runs 4): 8 when the grid has no
-// split and at most one CTA per SM, so no SM has a second CTA's warps to keep its loads in flight;
-// else 4. `ctas` counts the CTAs of the launch (with its splits and head chunks).
-inline int paged_decode_warps(int64_t num_splits, int64_t ctas, int64_t num_sms) {
-  return num_splits == 1 && ctas <= num_sms ? 8 : 4;
+// Split length from which a split grid of at most one CTA per SM runs 8-warp CTAs: a shorter
+// split's 8 warps finish in a round or two of 8 tokens each, where the prologue and the merge
+// dominate (1x1024 at 16 splits of 64 tokens ran 2.5% slower on 8 warps, session 10).
+inline constexpr int64_t kWideSplitTokens = 512;
+
+// Warps per CTA on the tensor-core loop (the CUDA-core loop always runs 4): 8 when the grid has at
+// most one CTA per SM, so no SM has a second CTA's warps to keep its loads in flight, and is
+// unsplit or split into pieces of >= kWideSplitTokens; else 4. `ctas` counts the CTAs of the
+// launch (with its splits and head chunks), `split_tokens` the tokens of a split.
+inline int paged_decode_warps(int64_t num_splits, int64_t ctas, int64_t num_sms,
+                              int64_t split_tokens) {
+  return ctas <= num_sms && (num_splits == 1 || split_tokens >= kWideSplitTokens) ? 8 : 4;
 }
 
 // Splits of each sequence's context (>= 1), from shapes only. Every SM should stream K/V, but a
@@ -92,10 +99,14 @@ inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t n
   const int64_t min_tokens = tensor_cores ? 768 : 256;  // per split, per CTA an SM adds
   if (ctas >= 4 * num_sms * max_per_sm) return 1;
   int64_t splits = paged_splits_filling(ctas, num_sms, max_blocks);
-  // A grid that fills one CTA per SM unsplit runs so, as 8-warp CTAs on tensor cores: at one
-  // wave the split merge's tail cost more than a second CTA per SM gained (16x4096: 93.4 us
-  // against 95.1 at 2 splits of 4-warp CTAs, session 10).
-  if (tensor_cores && splits == 1 && paged_decode_warps(1, ctas, num_sms) == 8) return 1;
+  // A grid that fills one CTA per SM runs so, as 8-warp CTAs on tensor cores, when they are wide
+  // (paged_decode_warps): at one wave a second CTA per SM gained less than its merge and its
+  // prologue cost (16x4096: 93.4 us unsplit against 95.1 at 2 splits of 4-warp CTAs, session
+  // 10; 1x32768: 51.9 us at 16 splits of 8-warp CTAs against 52.5-52.7 at 32 of 4, session 11).
+  const int64_t split_tokens = (max_blocks + splits - 1) / splits * block_size;
+  if (tensor_cores && paged_decode_warps(splits, ctas * splits, num_sms, split_tokens) == 8) {
+    return static_cast<int>(splits);
+  }
   for (int per_sm = 2; per_sm <= max_per_sm; ++per_sm) {
     const int64_t more = paged_splits_filling(ctas, per_sm * num_sms, max_blocks);
     const int64_t tokens = (max_blocks + more - 1) / more * block_size;
