@@ -31,7 +31,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda_check.h"
+#include "probe_common.h"
 #include "kernels/paged_attention.cu"  // the kernel under test, with its launcher
 
 namespace {
@@ -42,11 +42,7 @@ using bf16 = __nv_bfloat16;
 __global__ void fill_random(bf16* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    x[i] = __float2bfloat16((h & 0xffff) / 32768.f - 1.f);  // uniform in [-1, 1)
+    x[i] = __float2bfloat16((random_bits(i, seed) & 0xffff) / 32768.f - 1.f);  // in [-1, 1)
   }
 }
 

@@ -43,7 +43,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda_check.h"
+#include "probe_common.h"
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
 
@@ -218,11 +218,7 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Shape s) {
 __global__ void fill_random(uint32_t* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    x[i] = h * 2654435761u;
+    x[i] = random_bits(i, seed);
   }
 }
 
@@ -324,7 +320,8 @@ int main(int argc, char** argv) {
     std::shuffle(orders[0].begin(), orders[0].end(), rng);
     if (tables) {
       for (int run = 0; run < num_blocks; run += 64) {
-        std::shuffle(orders[2].begin() + run, orders[2].begin() + std::min(run + 64, num_blocks), rng);
+        const auto first = orders[2].begin() + run;
+        std::shuffle(first, first + std::min(64, num_blocks - run), rng);
       }
     }
     int* d_table;

@@ -235,9 +235,9 @@ def test_cta_width_on_either_side_of_one_cta_per_sm(dtype, head_dim):
     for batch, num_splits in ((sms // num_kv_heads, 1), (sms // num_kv_heads + 1, 1),
                               (per_split, 4), (per_split + 1, 4)):
         gen = torch.Generator().manual_seed(batch)
-        longest = 600 if num_splits == 1 else 2600  # 4 splits of 656 tokens
+        longest = 600 if num_splits == 1 else 2600  # 4 splits of 672 tokens (>= 512: 8 warps)
         lens = torch.randint(1, longest, (batch,), generator=gen).tolist()
-        lens[:4] = [1, 16, 17, longest][:batch]  # one token, exactly a block, a block + 1
+        lens[:4] = [1, 16, 17, longest][:batch]  # one token, a block, a block + 1, the longest
         k_cache, v_cache, table, lens = make_paged_cache(
             lens, num_kv_heads, head_dim, 16, dtype, "cuda")
         q = torch.randn(batch, 4 * num_kv_heads, head_dim, dtype=dtype, device="cuda")

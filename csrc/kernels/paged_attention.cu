@@ -1,8 +1,9 @@
 // Paged decode attention. One thread block (CTA) per (sequence, kv head, split, head chunk); it
 // serves all query heads of that kv head (GQA: each K/V row is read once for the whole group).
-// Inside a CTA, 4 warps (8 for an unsplit grid of at most one CTA per SM on tensor cores) take
-// turns over the split's tokens, each with its own fp32 online softmax (max, sum, output), merged
-// through shared memory at the end. Two main loops:
+// Inside a CTA, 4 warps (8 on tensor cores for a grid of at most one CTA per SM, unsplit or in
+// splits of >= 512 tokens: paged_decode_warps) take turns over the split's tokens, each with its
+// own fp32 online softmax (max, sum, output), merged through shared memory at the end. Two main
+// loops:
 //   - tensor cores (paged_decode_mma.cuh; bf16/fp16 at head_dim 64 and 128, so W1 and W3):
 //     per warp a 2-stage cp.async ring of 8-token K/V tiles, scores and the weighted sum as
 //     mma.sync tiles (at most 116 registers, 4 CTAs of 4 warps per SM);
@@ -391,9 +392,8 @@ constexpr int smem_bytes() {
 }
 
 // kMma: the tensor-core main loop (paged_decode_mma.cuh) instead of the CUDA-core one above.
-// W: warps per CTA, kWarps or (tensor cores only) 8 for a grid of at most one CTA per SM
-// (paged_decode_warps); the launch bounds keep the registers of kWarps-warp CTAs at the same
-// warps per SM.
+// W: warps per CTA, kWarps or (tensor cores only) 8 (paged_decode_warps); the launch bounds keep
+// the registers of kWarps-warp CTAs at the same warps per SM.
 template <typename T, int D, int G, bool kMma, int W>
 __global__ void __launch_bounds__(W * 32, paged_ctas_per_sm(G, kMma) * kWarps / W)
 paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
@@ -604,7 +604,7 @@ cudaError_t paged_decode_attention(const PagedDecodeArgs& a, DType dtype, cudaSt
   plan.counter_floats = paged_decode_counter_floats(a.batch, a.num_q_heads);
   const int64_t ctas = static_cast<int64_t>(a.batch) * a.num_kv_heads * a.num_splits * g.chunks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  // 8 on tensor cores only.
+  // 8 on tensor cores only (launch_main).
   const int warps = paged_decode_warps(a.num_splits, ctas, a.num_sms, plan.tokens_per_split);
 
   return dispatch_dtype(dtype, [&](auto tag) {

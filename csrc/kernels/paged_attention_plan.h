@@ -76,15 +76,17 @@ inline int paged_decode_warps(int64_t num_splits, int64_t ctas, int64_t num_sms,
 // Splits of each sequence's context (>= 1), from shapes only. Every SM should stream K/V, but a
 // CTA beyond the first on an SM pays its own prologue (context length -> block table -> K/V,
 // three dependent reads) and one more partial to merge, which only long splits repay. So: the
-// fewest splits that fill one CTA per SM, or k CTAs per SM (up to what the kernel allows) where
-// each split then keeps >= 256 * (k - 1) tokens (768 * (k - 1) on the tensor-core loop, whose
-// CTAs stream faster, so their fixed costs weigh more); none when the unsplit CTAs already run
-// >= 4 waves (the tail wave costs less than the splits' merges). On the H100 (132 SMs) this gives
-// what a sweep of num_splits measured best or within 1% of it (docs/measurements.md, sessions
-// 9-10): W3 (bf16, head_dim 128, tensor cores) 1x1024 16, 1x8192 16, 1x32768 32, 4x8192 8,
-// 16x4096 1 (8-warp CTAs), 64x2048 1, 256x1024 1; W1 (28 q / 4 kv heads, 16-block tables)
-// batch 1 16, batch 8 4, batch 32 1 (8-warp CTAs, not measured against 4). (The CUDA-core
-// loop's sweep, 2026-11-24: W3 16, 32, 48, 12, 3, 3, 1.)
+// fewest splits that fill one CTA per SM (kept as they are where those CTAs run 8 warps), or k
+// CTAs per SM (up to what the kernel allows) where each split then keeps >= 256 * (k - 1) tokens
+// (768 * (k - 1) on the tensor-core loop, whose CTAs stream faster, so their fixed costs weigh
+// more); none when the unsplit CTAs already run >= 4 waves (the tail wave costs less than the
+// splits' merges). On the H100 (132 SMs) this gives what a sweep of num_splits measured best or
+// within 1% of it (docs/measurements.md, sessions 9-11): W3 (bf16, head_dim 128, tensor cores)
+// 1x1024 16, 1x8192 16 (8-warp CTAs), 1x32768 16 (8-warp), 16x4096 1 (8-warp), 64x2048 1,
+// 256x1024 1; W1 (28 q / 4 kv heads, 16-block tables) batch 1 16, batch 8 4, batch 32 1
+// (8-warp; 9.2 us against 11.2 at 2 splits of 4 warps). Off W3, 4x8192 gets 4 splits of 8 warps
+// (51.6 us in a probe against 51.2 at 8 of 4 warps, session 11). (The CUDA-core loop's sweep,
+// 2026-11-24: W3 16, 32, 48, 12, 3, 3, 1.)
 inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                                    int64_t block_size, int64_t max_blocks, int64_t num_sms,
                                    bool tensor_cores) {
