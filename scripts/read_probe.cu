@@ -351,7 +351,7 @@ int main(int argc, char** argv) {
     std::printf("\n");
     const char* layouts[] = {"dense", "paged", "paged-hm"};
     const char* order_names[] = {"shuffled", "sequential", "64-block runs"};
-    const int min_per_sm = compute ? 3 : tables ? 3 : 1, max_per_sm = compute ? 3 : 4;
+    const int min_per_sm = compute || tables ? 3 : 1, max_per_sm = compute ? 3 : 4;
     for (int layout = compute ? 1 : 0; layout < (compute ? 2 : 3); ++layout) {
       for (size_t o = 0; o < (layout == 0 ? 1 : orders.size()); ++o) {
         for (int splits : p.splits) {

@@ -593,7 +593,7 @@ cudaError_t paged_decode_attention(const PagedDecodeArgs& a, DType dtype, cudaSt
     return cudaErrorInvalidValue;
   }
   const HeadGroups g = paged_head_groups(a.num_q_heads, a.num_kv_heads);
-  const int blocks_per_split = (a.max_blocks + a.num_splits - 1) / a.num_splits;
+  const int blocks_per_split = static_cast<int>(paged_blocks_per_split(a.max_blocks, a.num_splits));
   Plan plan;
   plan.group_size = g.group_size;
   plan.head_chunks = g.chunks;

@@ -41,6 +41,13 @@ inline HeadGroups paged_head_groups(int num_q_heads, int num_kv_heads) {
   return g;
 }
 
+// Blocks of each split when a table of max_blocks is cut into `splits` (the last may hold
+// fewer): a split starts at a block boundary, so no 8-token stage of the tensor-core loop
+// straddles two blocks.
+inline int64_t paged_blocks_per_split(int64_t max_blocks, int64_t splits) {
+  return (max_blocks + splits - 1) / splits;
+}
+
 // The fewest splits (each a whole number of blocks, at most max_blocks) whose CTAs fill their
 // waves of `slots` to >= 95%, else the fullest: a partial last wave leaves SMs idle.
 inline int64_t paged_splits_filling(int64_t ctas, int64_t slots, int64_t max_blocks) {
@@ -48,7 +55,7 @@ inline int64_t paged_splits_filling(int64_t ctas, int64_t slots, int64_t max_blo
   const int64_t max_splits = std::min(max_blocks, slots / ctas + 20);
   int64_t best = 1, best_num = 0, best_den = 1;  // fullness of the best so far: num / den
   for (int64_t splits = 1; splits <= max_splits; ++splits) {
-    const int64_t blocks_per_split = (max_blocks + splits - 1) / splits;
+    const int64_t blocks_per_split = paged_blocks_per_split(max_blocks, splits);
     const int64_t used = (max_blocks + blocks_per_split - 1) / blocks_per_split;
     if (used != splits) continue;  // rounding to whole blocks gives the same as fewer splits
     const int64_t work = ctas * splits;
@@ -105,13 +112,13 @@ inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t n
   // (paged_decode_warps): at one wave a second CTA per SM gained less than its merge and its
   // prologue cost (16x4096: 93.4 us unsplit against 95.1 at 2 splits of 4-warp CTAs, session
   // 10; 1x32768: 51.9 us at 16 splits of 8-warp CTAs against 52.5-52.7 at 32 of 4, session 11).
-  const int64_t split_tokens = (max_blocks + splits - 1) / splits * block_size;
+  const int64_t split_tokens = paged_blocks_per_split(max_blocks, splits) * block_size;
   if (tensor_cores && paged_decode_warps(splits, ctas * splits, num_sms, split_tokens) == 8) {
     return static_cast<int>(splits);
   }
   for (int per_sm = 2; per_sm <= max_per_sm; ++per_sm) {
     const int64_t more = paged_splits_filling(ctas, per_sm * num_sms, max_blocks);
-    const int64_t tokens = (max_blocks + more - 1) / more * block_size;
+    const int64_t tokens = paged_blocks_per_split(max_blocks, more) * block_size;
     if (tokens >= min_tokens * (per_sm - 1)) splits = more;
   }
   return static_cast<int>(splits);
