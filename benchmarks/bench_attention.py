@@ -12,6 +12,9 @@ costs in DRAM locality). Side by side in one run:
   question for a tensor-core decode kernel (head-major storage, measured here before, read no
   faster than the [block, kv_heads] layout: docs/measurements.md);
 - dense SDPA on a contiguous cache (no gather): the bar for "paging costs nothing";
+- pagedkv over dense SDPA's own tensors (each [B, Hkv, S, D] read as 16-row blocks through the
+  cache strides): the kernel on the same bytes in the same order, so the gap to dense SDPA splits
+  into the kernel's part and the paged layout's;
 - FlashInfer's BatchDecodeWithPagedKVCacheWrapper, when `flashinfer` imports (skipped otherwise).
 
 GB/s counts the K/V bytes read (B * context * kv_heads * head_dim * 2 bytes * 2), compared with
@@ -136,6 +139,21 @@ def bench_point(batch: int, context: int, device: str, table_order: str = "shuff
         row["sequential_us"] = time_us([lambda c=c: pagedkv(*c, table=in_order) for c in caches], device)
     row["gather_us"] = time_us([lambda c=c: gather_sdpa(*c) for c in caches], device)
     row["dense_us"] = time_us([lambda d=d: dense_sdpa(*d) for d in dense], device)
+    # The kernel over dense SDPA's own [B, Hkv, S, D] tensors, each read as a cache of 16-row blocks
+    # through the cache strides (sequence b's blocks b * Hkv * max_blocks + i): the same bytes in
+    # the same order as dense SDPA's kernel, so the kernel's cost apart from the paged layout's.
+    dense_blocks = (batch - 1) * NUM_KV_HEADS * max_blocks + max_blocks  # the view stays in bounds
+    dense_table = (torch.arange(batch, device=device)[:, None] * (NUM_KV_HEADS * max_blocks)
+                   + torch.arange(max_blocks, device=device)).to(torch.int32)
+
+    def as_cache(t):  # [B, Hkv, S, D] -> [dense_blocks, block, Hkv, D], no copy
+        return t.as_strided((dense_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM),
+                            (BLOCK_SIZE * HEAD_DIM, HEAD_DIM, context * HEAD_DIM, 1))
+
+    on_dense = [(as_cache(k), as_cache(v)) for k, v in dense]
+    pagedkv(*on_dense[0], table=dense_table)
+    row["max_diff_on_dense"] = (out.float() - expected.float()).abs().max().item()
+    row["on_dense_us"] = time_us([lambda d=d: pagedkv(*d, table=dense_table) for d in on_dense], device)
     # The prefill kernel on the same batch: each sequence's one new token is row b of q.
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
     prefill_out = torch.empty_like(q)
@@ -156,7 +174,7 @@ def bench_point(batch: int, context: int, device: str, table_order: str = "shuff
             fi_diff = (flashinfer().float() - expected.float()).abs().max().item()
             row["flashinfer_us"] = time_us([lambda c=c: flashinfer(c) for c in caches], device)
             row["flashinfer_note"] = f"FlashInfer max abs diff vs dense SDPA {fi_diff:.3g}"
-    for name in ("pagedkv", "sequential", "prefill", "gather", "dense", "flashinfer"):
+    for name in ("pagedkv", "sequential", "on_dense", "prefill", "gather", "dense", "flashinfer"):
         us = row[f"{name}_us"]
         row[f"{name}_gbs"] = kv_bytes / (us * 1e-6) / 1e9 if us else None
     return row
@@ -191,13 +209,14 @@ def main() -> None:
         return r["pagedkv_gbs"] / r[f"{name}_gbs"] if r[f"{name}_gbs"] else "n/a"
 
     header = ["batch x context", "splits", "cache copies", "pagedkv us", "pagedkv GB/s", "% of copy BW",
-              "pagedkv GB/s, blocks in order", "prefill kernel GB/s", "gather+SDPA us", "gather+SDPA GB/s",
+              "pagedkv GB/s, blocks in order", "pagedkv GB/s on dense SDPA's tensors", "prefill kernel GB/s", "gather+SDPA us", "gather+SDPA GB/s",
               "dense SDPA GB/s", "FlashInfer GB/s", "vs gather+SDPA", "vs dense SDPA", "vs FlashInfer",
-              "max abs diff vs SDPA"]
+              "on dense SDPA's tensors vs dense SDPA", "max abs diff vs SDPA"]
     table_rows = [[r["point"], r["splits"], r["copies"], r["pagedkv_us"], r["pagedkv_gbs"], 100 * r["pagedkv_gbs"] / copy_gbs,
-                   gbs(r["sequential_gbs"]), r["prefill_gbs"], r["gather_us"], r["gather_gbs"], r["dense_gbs"],
+                   gbs(r["sequential_gbs"]), r["on_dense_gbs"], r["prefill_gbs"], r["gather_us"], r["gather_gbs"], r["dense_gbs"],
                    gbs(r["flashinfer_gbs"]), ratio(r, "gather"), ratio(r, "dense"), ratio(r, "flashinfer"),
-                   max(r["max_diff"], r["max_diff_prefill"])] for r in rows]
+                   r["on_dense_gbs"] / r["dense_gbs"],
+                   max(r["max_diff"], r["max_diff_prefill"], r["max_diff_on_dense"])] for r in rows]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     title = (f"W3 paged decode attention, {str(DTYPE).removeprefix('torch.')}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, "
              f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, {args.table} blocks, {name}; "
@@ -209,6 +228,7 @@ def main() -> None:
     series = {"pagedkv": [r["pagedkv_gbs"] for r in rows],
               **({"pagedkv, blocks in order": [r["sequential_gbs"] for r in rows]}
                  if args.table == "shuffled" else {}),
+              "pagedkv on dense SDPA's tensors": [r["on_dense_gbs"] for r in rows],
               "pagedkv prefill kernel": [r["prefill_gbs"] for r in rows],
               "gather+SDPA": [r["gather_gbs"] for r in rows],
               "dense SDPA": [r["dense_gbs"] for r in rows]}

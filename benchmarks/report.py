@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import textwrap
 from typing import Sequence
 
 
@@ -29,16 +30,19 @@ def save_bar_plot(out_dir: pathlib.Path, name: str, title: str, labels: Sequence
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.2), 4))
+    fig_width = max(6, len(labels) * 1.2)
+    fig, ax = plt.subplots(figsize=(fig_width, 4))
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series.items()):
         ax.bar([x + i * width for x in range(len(labels))], values, width, label=label)
     ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
+    # Wrapped to the figure's width (~11 title characters an inch), and the legend under the axes:
+    # a long title ran off the image, and a legend of many series hid the first group's bars.
+    ax.set_title("\n".join(textwrap.wrap(title, width=int(fig_width * 11))))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=min(4, len(series)),
+              fontsize="small", frameon=False)
     path = out_dir / f"{name}.png"
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path

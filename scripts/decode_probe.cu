@@ -16,8 +16,11 @@
 // NAME labels the rows; --splits forces num_splits; --point runs that batch x context alone
 // instead of W3's four bandwidth-bound points (e.g. under ncu); --graph times the launches as
 // one CUDA graph's replays; --table orders the physical blocks: shuffled (default), sequential
-// (each sequence's blocks in order, one after another) or runs (shuffled within runs of 64
-// blocks, 2 MB of K: the memory pages touched stay those of the sequential order).
+// (each sequence's blocks in order, one after another), runs (shuffled within runs of 64
+// blocks, 2 MB of K: the memory pages touched stay those of the sequential order) or dense (no
+// paged layout at all: K and V are dense SDPA's [B, Hkv, S, D] tensors, read through the cache
+// strides, a block stride of 16 rows and a table of each sequence's consecutive 16-row blocks,
+// so the kernel reads the same contiguous streams as the cuDNN kernel behind dense SDPA).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -48,13 +51,18 @@ __global__ void fill_random(bf16* x, int64_t n, uint32_t seed) {
 
 // One CTA per (sequence, query head): scores in fp32 to `scores` [B, Hq, ctx], then softmax and
 // the weighted sum. Slow and obviously right.
+// Cache element strides: block, token, head (the kernel's cache_stride_*).
+struct Strides {
+  int64_t block, token, head;
+};
+
 __global__ void reference(const bf16* q, const bf16* k, const bf16* v, const int* table, int ctx,
-                          int max_blocks, float scale, float* scores, float* out) {
+                          int max_blocks, Strides st, float scale, float* scores, float* out) {
   const int b = blockIdx.x / kHq, h = blockIdx.x % kHq, kv = h / (kHq / kHkv);
   float* s = scores + static_cast<int64_t>(blockIdx.x) * ctx;
   auto row = [&](const bf16* cache, int t) {
     const int64_t block = table[b * max_blocks + t / kBlock];
-    return cache + ((block * kBlock + t % kBlock) * kHkv + kv) * kD;
+    return cache + block * st.block + (t % kBlock) * st.token + kv * st.head;
   };
   for (int t = threadIdx.x; t < ctx; t += blockDim.x) {
     const bf16* kr = row(k, t);
@@ -85,7 +93,7 @@ struct Point {
   int batch, ctx;
 };
 
-enum class Order { kShuffled, kSequential, kRuns };
+enum class Order { kShuffled, kSequential, kRuns, kDense };
 
 void run_point(const Point& p, const char* name, int forced_splits, int sms, bool graph,
                Order order) {
@@ -103,6 +111,15 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   }
   std::vector<int> table(num_blocks), lens(p.batch, p.ctx);
   std::iota(table.begin(), table.end(), 0);
+  // Dense: sequence b's blocks are the 16-row pieces of its stream of head 0 in [B, Hkv, S, D]
+  // (the other heads one head stride on), block index b * Hkv * max_blocks + i.
+  Strides st{int64_t{kBlock} * kHkv * kD, kHkv * kD, kD};
+  if (order == Order::kDense) {
+    st = Strides{int64_t{kBlock} * kD, kD, int64_t{p.ctx} * kD};
+    for (int i = 0; i < num_blocks; ++i) {
+      table[i] = i / max_blocks * kHkv * max_blocks + i % max_blocks;
+    }
+  }
   std::mt19937 rng(p.batch * 7919 + p.ctx);
   if (order == Order::kShuffled) std::shuffle(table.begin(), table.end(), rng);
   for (int run = 0; order == Order::kRuns && run < num_blocks; run += 64) {
@@ -135,9 +152,9 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   a.context_lens = d_lens;
   a.out_stride_row = a.q_stride_row = kHq * kD;
   a.out_stride_h = a.q_stride_h = kD;
-  a.cache_stride_block = int64_t{kBlock} * kHkv * kD;
-  a.cache_stride_token = kHkv * kD;
-  a.cache_stride_head = kD;
+  a.cache_stride_block = st.block;
+  a.cache_stride_token = st.token;
+  a.cache_stride_head = st.head;
   a.batch = p.batch;
   a.num_q_heads = kHq;
   a.num_kv_heads = kHkv;
@@ -162,8 +179,8 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   float *scores, *ref;
   CHECK(cudaMalloc(&scores, int64_t{p.batch} * kHq * p.ctx * sizeof(float)));
   CHECK(cudaMalloc(&ref, p.batch * kHq * kD * sizeof(float)));
-  reference<<<p.batch * kHq, 128>>>(q, k[0], v[0], d_table, p.ctx, max_blocks, a.scale, scores,
-                                    ref);
+  reference<<<p.batch * kHq, 128>>>(q, k[0], v[0], d_table, p.ctx, max_blocks, st, a.scale,
+                                    scores, ref);
   CHECK(cudaDeviceSynchronize());
   std::vector<bf16> got(p.batch * kHq * kD);
   std::vector<float> want(got.size());
@@ -203,7 +220,7 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   const float us = 1e3f * ms[ms.size() / 2];
   if (exec) CHECK(cudaGraphExecDestroy(exec));
   CHECK(cudaStreamDestroy(stream));
-  const char* order_name[] = {"", ", sequential", ", 64-block runs"};
+  const char* order_name[] = {"", ", sequential", ", 64-block runs", ", dense [B, Hkv, S, D]"};
   std::printf("| %s%s%s | %dx%d | %d | %.1f | %.0f | %.2g |\n", name, graph ? " (graph)" : "",
               order_name[static_cast<int>(order)],
               p.batch, p.ctx, splits, us,
@@ -240,8 +257,9 @@ int main(int argc, char** argv) {
       if (std::strcmp(o, "shuffled") == 0) order = Order::kShuffled;
       else if (std::strcmp(o, "sequential") == 0) order = Order::kSequential;
       else if (std::strcmp(o, "runs") == 0) order = Order::kRuns;
+      else if (std::strcmp(o, "dense") == 0) order = Order::kDense;
       else {
-        std::fprintf(stderr, "--table takes shuffled, sequential or runs, got %s\n", o);
+        std::fprintf(stderr, "--table takes shuffled, sequential, runs or dense, got %s\n", o);
         return 2;
       }
     }

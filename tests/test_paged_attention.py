@@ -210,6 +210,24 @@ def test_head_major_cache_storage(device, num_splits):
     run_and_check(q, k_cache, v_cache, table, lens, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_tensors_read_as_a_cache(device, num_splits):
+    """Dense [B, Hkv, S, D] K/V (SDPA's layout) viewed, without a copy, as a cache of 16-row
+    blocks (block stride 16 D, token stride D, head stride S D; sequence b's blocks b Hkv
+    max_blocks + i), as bench_attention.py times it: the op reads through those strides too."""
+    batch, kv_heads, max_blocks, block = 3, 2, 6, 16
+    context = max_blocks * block
+    k, v = (torch.randn(batch, kv_heads, context, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
+    num_blocks = (batch - 1) * kv_heads * max_blocks + max_blocks  # the last block ends the storage
+    k_cache, v_cache = (t.as_strided((num_blocks, block, kv_heads, 128), (block * 128, 128, context * 128, 1))
+                        for t in (k, v))
+    table = (torch.arange(batch)[:, None] * (kv_heads * max_blocks) + torch.arange(max_blocks)).to(torch.int32)
+    lens = torch.tensor([1, 17, context], dtype=torch.int32, device=device)
+    q = torch.randn(batch, 8, 128, dtype=torch.bfloat16, device=device)
+    run_and_check(q, k_cache, v_cache, table.to(device), lens, num_splits=num_splits)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16, 64, 1000])
 def test_split_and_no_split_paths_agree(num_splits):
