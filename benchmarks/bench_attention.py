@@ -209,11 +209,13 @@ def main() -> None:
         return r["pagedkv_gbs"] / r[f"{name}_gbs"] if r[f"{name}_gbs"] else "n/a"
 
     header = ["batch x context", "splits", "cache copies", "pagedkv us", "pagedkv GB/s", "% of copy BW",
-              "pagedkv GB/s, blocks in order", "pagedkv GB/s on dense SDPA's tensors", "prefill kernel GB/s", "gather+SDPA us", "gather+SDPA GB/s",
+              "pagedkv GB/s, blocks in order", "pagedkv GB/s on dense SDPA's tensors", "prefill kernel GB/s",
+              "gather+SDPA us", "gather+SDPA GB/s",
               "dense SDPA GB/s", "FlashInfer GB/s", "vs gather+SDPA", "vs dense SDPA", "vs FlashInfer",
               "on dense SDPA's tensors vs dense SDPA", "max abs diff vs SDPA"]
     table_rows = [[r["point"], r["splits"], r["copies"], r["pagedkv_us"], r["pagedkv_gbs"], 100 * r["pagedkv_gbs"] / copy_gbs,
-                   gbs(r["sequential_gbs"]), r["on_dense_gbs"], r["prefill_gbs"], r["gather_us"], r["gather_gbs"], r["dense_gbs"],
+                   gbs(r["sequential_gbs"]), r["on_dense_gbs"], r["prefill_gbs"], r["gather_us"], r["gather_gbs"],
+                   r["dense_gbs"],
                    gbs(r["flashinfer_gbs"]), ratio(r, "gather"), ratio(r, "dense"), ratio(r, "flashinfer"),
                    r["on_dense_gbs"] / r["dense_gbs"],
                    max(r["max_diff"], r["max_diff_prefill"], r["max_diff_on_dense"])] for r in rows]

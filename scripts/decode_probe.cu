@@ -49,13 +49,13 @@ __global__ void fill_random(bf16* x, int64_t n, uint32_t seed) {
   }
 }
 
-// One CTA per (sequence, query head): scores in fp32 to `scores` [B, Hq, ctx], then softmax and
-// the weighted sum. Slow and obviously right.
 // Cache element strides: block, token, head (the kernel's cache_stride_*).
 struct Strides {
   int64_t block, token, head;
 };
 
+// One CTA per (sequence, query head): scores in fp32 to `scores` [B, Hq, ctx], then softmax and
+// the weighted sum. Slow and obviously right.
 __global__ void reference(const bf16* q, const bf16* k, const bf16* v, const int* table, int ctx,
                           int max_blocks, Strides st, float scale, float* scores, float* out) {
   const int b = blockIdx.x / kHq, h = blockIdx.x % kHq, kv = h / (kHq / kHkv);
