@@ -214,8 +214,8 @@ def test_head_major_cache_storage(device, num_splits):
 @pytest.mark.parametrize("device", DEVICES)
 def test_dense_tensors_read_as_a_cache(device, num_splits):
     """Dense [B, Hkv, S, D] K/V (SDPA's layout) viewed, without a copy, as a cache of 16-row
-    blocks (block stride 16 D, token stride D, head stride S D; sequence b's blocks b Hkv
-    max_blocks + i), as bench_attention.py times it: the op reads through those strides too."""
+    blocks (block stride 16 * D, token stride D, head stride S * D; sequence b's blocks
+    b * Hkv * max_blocks + i), as bench_attention.py times it: the op reads through those strides."""
     batch, kv_heads, max_blocks, block = 3, 2, 6, 16
     context = max_blocks * block
     k, v = (torch.randn(batch, kv_heads, context, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
