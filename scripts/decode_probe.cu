@@ -20,7 +20,9 @@
 // blocks, 2 MB of K: the memory pages touched stay those of the sequential order) or dense (no
 // paged layout at all: K and V are dense SDPA's [B, Hkv, S, D] tensors, read through the cache
 // strides, a block stride of 16 rows and a table of each sequence's consecutive 16-row blocks,
-// so the kernel reads the same contiguous streams as the cuDNN kernel behind dense SDPA).
+// so the kernel reads the same contiguous streams as the cuDNN kernel behind dense SDPA) or
+// sorted (shuffled, then each sequence's blocks in ascending order: CTAs that walk their tables
+// at the same pace then read one region of the pool at a time).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -93,7 +95,7 @@ struct Point {
   int batch, ctx;
 };
 
-enum class Order { kShuffled, kSequential, kRuns, kDense };
+enum class Order { kShuffled, kSequential, kRuns, kDense, kSorted };
 
 void run_point(const Point& p, const char* name, int forced_splits, int sms, bool graph,
                Order order) {
@@ -121,7 +123,12 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
     }
   }
   std::mt19937 rng(p.batch * 7919 + p.ctx);
-  if (order == Order::kShuffled) std::shuffle(table.begin(), table.end(), rng);
+  if (order == Order::kShuffled || order == Order::kSorted) {
+    std::shuffle(table.begin(), table.end(), rng);
+  }
+  for (int b = 0; order == Order::kSorted && b < p.batch; ++b) {
+    std::sort(table.begin() + b * max_blocks, table.begin() + (b + 1) * max_blocks);
+  }
   for (int run = 0; order == Order::kRuns && run < num_blocks; run += 64) {
     std::shuffle(table.begin() + run, table.begin() + std::min(run + 64, num_blocks), rng);
   }
@@ -220,7 +227,8 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   const float us = 1e3f * ms[ms.size() / 2];
   if (exec) CHECK(cudaGraphExecDestroy(exec));
   CHECK(cudaStreamDestroy(stream));
-  const char* order_name[] = {"", ", sequential", ", 64-block runs", ", dense [B, Hkv, S, D]"};
+  const char* order_name[] = {"", ", sequential", ", 64-block runs", ", dense [B, Hkv, S, D]",
+                              ", shuffled, each sequence's sorted"};
   std::printf("| %s%s%s | %dx%d | %d | %.1f | %.0f | %.2g |\n", name, graph ? " (graph)" : "",
               order_name[static_cast<int>(order)],
               p.batch, p.ctx, splits, us,
@@ -258,8 +266,9 @@ int main(int argc, char** argv) {
       else if (std::strcmp(o, "sequential") == 0) order = Order::kSequential;
       else if (std::strcmp(o, "runs") == 0) order = Order::kRuns;
       else if (std::strcmp(o, "dense") == 0) order = Order::kDense;
+      else if (std::strcmp(o, "sorted") == 0) order = Order::kSorted;
       else {
-        std::fprintf(stderr, "--table takes shuffled, sequential, runs or dense, got %s\n", o);
+        std::fprintf(stderr, "--table takes shuffled, sequential, runs, dense or sorted, got %s\n", o);
         return 2;
       }
     }
