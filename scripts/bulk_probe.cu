@@ -20,19 +20,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
+#include "probe_common.h"
 
 constexpr int kHkv = 8, kRowBytes = 256, kBlock = 16;
 
@@ -150,7 +142,8 @@ int main(int argc, char** argv) {
   const Point points[] = {{256, 1024}, {64, 2048}, {16, 4096}};
   unsigned* sink;
   CHECK(cudaMalloc(&sink, 4));
-  std::printf("| point | layout | tile (tokens x 8 heads) | stages | splits | CTAs per SM | us | GB/s |\n");
+  std::printf("| point | layout | tile (tokens x 8 heads) | stages | splits | CTAs per SM | us |"
+              " GB/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|\n");
   for (const Point& p : points) {
     if (argc > 1 && std::atoi(argv[1]) != p.batch) continue;  // ./bulk_probe BATCH: that point

@@ -12,7 +12,7 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 --use_fast_math \
 //        --expt-relaxed-constexpr -Icsrc -o decode_probe scripts/decode_probe.cu
-//   ./decode_probe [NAME] [--splits N] [--point BxC] [--graph] [--table ORDER]
+//   ./decode_probe [NAME] [--splits N] [--point BxC] [--graph] [--table ORDER] [--ragged]
 // NAME labels the rows; --splits forces num_splits; --point runs that batch x context alone
 // instead of W3's four bandwidth-bound points (e.g. under ncu); --graph times the launches as
 // one CUDA graph's replays; --table orders the physical blocks: shuffled (default), sequential
@@ -22,7 +22,8 @@
 // strides, a block stride of 16 rows and a table of each sequence's consecutive 16-row blocks,
 // so the kernel reads the same contiguous streams as the cuDNN kernel behind dense SDPA) or
 // sorted (shuffled, then each sequence's blocks in ascending order: CTAs that walk their tables
-// at the same pace then read one region of the pool at a time).
+// at the same pace then read one region of the pool at a time); --ragged draws each sequence's
+// length from [C / 8, C] instead of C (GB/s then counts the K/V read, not the cache).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -58,10 +59,12 @@ struct Strides {
 
 // One CTA per (sequence, query head): scores in fp32 to `scores` [B, Hq, ctx], then softmax and
 // the weighted sum. Slow and obviously right.
-__global__ void reference(const bf16* q, const bf16* k, const bf16* v, const int* table, int ctx,
-                          int max_blocks, Strides st, float scale, float* scores, float* out) {
+__global__ void reference(const bf16* q, const bf16* k, const bf16* v, const int* table,
+                          const int* lens, int max_ctx, int max_blocks, Strides st, float scale,
+                          float* scores, float* out) {
   const int b = blockIdx.x / kHq, h = blockIdx.x % kHq, kv = h / (kHq / kHkv);
-  float* s = scores + static_cast<int64_t>(blockIdx.x) * ctx;
+  const int ctx = lens[b];
+  float* s = scores + static_cast<int64_t>(blockIdx.x) * max_ctx;
   auto row = [&](const bf16* cache, int t) {
     const int64_t block = table[b * max_blocks + t / kBlock];
     return cache + block * st.block + (t % kBlock) * st.token + kv * st.head;
@@ -98,7 +101,7 @@ struct Point {
 enum class Order { kShuffled, kSequential, kRuns, kDense, kSorted };
 
 void run_point(const Point& p, const char* name, int forced_splits, int sms, bool graph,
-               Order order) {
+               Order order, bool ragged) {
   using namespace pagedkv::kernels;
   const int max_blocks = p.ctx / kBlock, num_blocks = p.batch * max_blocks;
   const int64_t cache_elems = int64_t{num_blocks} * kBlock * kHkv * kD;
@@ -112,6 +115,14 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
     fill_random<<<1024, 256>>>(v[c], cache_elems, 2 * c + 2);
   }
   std::vector<int> table(num_blocks), lens(p.batch, p.ctx);
+  // Ragged: lengths uniform in [ctx / 8, ctx], as a serving batch's (GB/s then counts the tokens
+  // read, not the cache's size).
+  std::mt19937 len_rng(p.batch + 17 * p.ctx);
+  for (int b = 0; ragged && b < p.batch; ++b) {
+    lens[b] = std::uniform_int_distribution<int>(p.ctx / 8, p.ctx)(len_rng);
+  }
+  const double read_bytes =
+      kv_bytes / p.ctx / p.batch * std::accumulate(lens.begin(), lens.end(), 0.0);
   std::iota(table.begin(), table.end(), 0);
   // Dense: sequence b's blocks are the 16-row pieces of its stream of head 0 in [B, Hkv, S, D]
   // (the other heads one head stride on), block index b * Hkv * max_blocks + i.
@@ -186,8 +197,8 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   float *scores, *ref;
   CHECK(cudaMalloc(&scores, int64_t{p.batch} * kHq * p.ctx * sizeof(float)));
   CHECK(cudaMalloc(&ref, p.batch * kHq * kD * sizeof(float)));
-  reference<<<p.batch * kHq, 128>>>(q, k[0], v[0], d_table, p.ctx, max_blocks, st, a.scale,
-                                    scores, ref);
+  reference<<<p.batch * kHq, 128>>>(q, k[0], v[0], d_table, d_lens, p.ctx, max_blocks, st,
+                                    a.scale, scores, ref);
   CHECK(cudaDeviceSynchronize());
   std::vector<bf16> got(p.batch * kHq * kD);
   std::vector<float> want(got.size());
@@ -229,10 +240,10 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   CHECK(cudaStreamDestroy(stream));
   const char* order_name[] = {"", ", sequential", ", 64-block runs", ", dense [B, Hkv, S, D]",
                               ", shuffled, each sequence's sorted"};
-  std::printf("| %s%s%s | %dx%d | %d | %.1f | %.0f | %.2g |\n", name, graph ? " (graph)" : "",
-              order_name[static_cast<int>(order)],
+  std::printf("| %s%s%s%s | %dx%d | %d | %.1f | %.0f | %.2g |\n", name, graph ? " (graph)" : "",
+              order_name[static_cast<int>(order)], ragged ? ", ragged" : "",
               p.batch, p.ctx, splits, us,
-              kv_bytes / (us * 1e-6) / 1e9, diff);
+              read_bytes / (us * 1e-6) / 1e9, diff);
   std::fflush(stdout);
 
   for (int i = 0; i < copies; ++i) {
@@ -254,12 +265,13 @@ int main(int argc, char** argv) {
   const char* name = "A";
   int forced_splits = 0;
   const char* only = nullptr;
-  bool graph = false;
+  bool graph = false, ragged = false;
   Order order = Order::kShuffled;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--splits") == 0 && i + 1 < argc) forced_splits = std::atoi(argv[++i]);
     else if (std::strcmp(argv[i], "--point") == 0 && i + 1 < argc) only = argv[++i];
     else if (std::strcmp(argv[i], "--graph") == 0) graph = true;
+    else if (std::strcmp(argv[i], "--ragged") == 0) ragged = true;
     else if (std::strcmp(argv[i], "--table") == 0 && i + 1 < argc) {
       const char* o = argv[++i];
       if (std::strcmp(o, "shuffled") == 0) order = Order::kShuffled;
@@ -285,6 +297,6 @@ int main(int argc, char** argv) {
   }
   std::vector<Point> points = {{1, 32768}, {16, 4096}, {64, 2048}, {256, 1024}};
   if (only) points = {one};
-  for (const Point& p : points) run_point(p, name, forced_splits, sms, graph, order);
+  for (const Point& p : points) run_point(p, name, forced_splits, sms, graph, order, ragged);
   return 0;
 }

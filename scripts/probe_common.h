@@ -1,5 +1,5 @@
-// What the diagnostic programs (scripts/read_probe.cu, scripts/decode_probe.cu) share: CHECK, their
-// error handling, and random_bits, the source of their inputs.
+// What the diagnostic programs (scripts/read_probe.cu, decode_probe.cu, bulk_probe.cu) share:
+// CHECK, their error handling, and random_bits, the source of their inputs.
 #pragma once
 #include <cstdint>
 #include <cstdio>

@@ -271,37 +271,6 @@ def test_cta_width_on_either_side_of_one_cta_per_sm(dtype, head_dim):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("heads", [(32, 8), (28, 4), (32, 2)], ids=_case_id)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_item_kernel_on_either_side_of_its_wave_rule(dtype, head_dim, heads):
-    """Unsplit, a grid whose one-warp items (sequence, kv head, head chunk) fill whole waves of
-    8-warp CTAs (2 per SM) runs the item kernel, one of 1.5 waves paged_decode_kernel's CTAs
-    (paged_decode_warp_items): both match the reference, with a padding row, 7 heads in a group
-    of 8 columns (28 / 4) and two chunks per kv head (32 / 2), eagerly and from a CUDA graph."""
-    num_q_heads, num_kv_heads = heads
-    chunks = -(-(num_q_heads // num_kv_heads) // 8)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    full_wave = 2 * sms * 8 // (num_kv_heads * chunks)  # sequences whose items fill one wave
-    for batch in (full_wave, full_wave * 3 // 2):
-        gen = torch.Generator().manual_seed(batch)
-        lens = torch.randint(1, 300, (batch,), generator=gen).tolist()
-        lens[:5] = [1, 16, 17, 0, 300]  # one token, a block, a block + 1, padding, the longest
-        k_cache, v_cache, table, lens = make_paged_cache(
-            lens, num_kv_heads, head_dim, 16, dtype, "cuda")
-        q = torch.randn(batch, num_q_heads, head_dim, dtype=dtype, device="cuda")
-        eager = run_and_check(q, k_cache, v_cache, table, lens, num_splits=1)
-        workspace = ops.paged_decode_workspace(q, k_cache, table, 1)
-        out = torch.full_like(q, float("nan"))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            ops.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim**-0.5, out=out,
-                                       workspace=workspace, num_splits=1)
-        graph.replay()
-        torch.testing.assert_close(out, eager, atol=0, rtol=0)
-
-
-@pytest.mark.cuda
 def test_cuda_graph_capture_and_replay():
     """Captured once with static buffers; new queries, tables and lengths (a padding row
     included) are copied in and the graph replayed, as a decode step would."""

@@ -13,9 +13,6 @@
 //     loads in flight before it computes, and the next iteration's too where registers allow.
 //     Each lane keeps the scaled query slice of every head of the group and its online softmax
 //     for the tokens its lane group saw; the lane groups merge by shuffles.
-// Grids of many unsplit (sequence, kv head) pairs that fill whole waves take a third shape on the
-// tensor-core loop instead (paged_decode_items_kernel, paged_decode_warp_items): one warp per pair,
-// streaming its whole context alone, 8 pairs per CTA.
 // Scores are kept in log2 units (the query is pre-scaled by scale * log2(e)), so exp2 suffices.
 //
 // With num_splits > 1 each CTA of a sequence that spans several splits writes its normalized
@@ -545,79 +542,6 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   }
 }
 
-// One warp per work item (sequence, kv head, head chunk), kItemWarps items per CTA, unsplit, for
-// grids that fill their waves (paged_decode_warp_items): each warp streams its item's whole
-// context alone through its own ring, so it keeps its online softmax in registers to the end
-// and writes its output itself (no merge across warps, no CTA barrier), and a warp pays its
-// prologue (context length, block table, first K/V) once per item, where paged_decode_kernel's
-// 4 warps pay one per CTA of a quarter of the tokens each. Items are numbered (b * num_kv_heads +
-// kv_head) * head_chunks + chunk, so a CTA's warps read neighbouring heads' slices of the same
-// token rows (at W3's 8 kv heads, whole 2 KB rows of each block).
-template <typename T, int D, int G>
-__global__ void __launch_bounds__(kItemWarps * 32, kItemWarpsPerSm / kItemWarps)
-paged_decode_items_kernel(const PagedDecodeArgs a, const Plan plan) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane / 4, t = lane % 4;
-  int idx = blockIdx.x * kItemWarps + warp;
-  if (idx >= a.batch * a.num_kv_heads * plan.head_chunks) return;  // the last CTA's spare warps
-  const int chunk = idx % plan.head_chunks;
-  idx /= plan.head_chunks;
-  const int kv_head = idx % a.num_kv_heads;
-  const int b = idx / a.num_kv_heads;
-
-  // The first tile's block, read beside the context length rather than after it.
-  const int first_block = __ldg(a.block_tables + static_cast<int64_t>(b) * a.max_blocks);
-  const int end = clamp_context(a.context_lens, b, plan.max_tokens);
-  const int head0 = kv_head * plan.group_size + chunk * plan.chunk_heads;  // first query head
-  const int heads = min(plan.chunk_heads, plan.group_size - chunk * plan.chunk_heads);
-  T* out = static_cast<T*>(a.out) + b * a.out_stride_row + head0 * a.out_stride_h;
-  if (end == 0) {  // a padding row: zeros
-    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int i = lane; i < heads * (D / 4); i += 32) {
-      store4(out + (i / (D / 4)) * a.out_stride_h + (i % (D / 4)) * 4, zero);
-    }
-    return;
-  }
-
-  // kItemWarps rings of ring_bytes<T, D, 1>, 128-byte aligned as paged_decode_kernel's.
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* ring = reinterpret_cast<T*>(smem + warp * ring_bytes<T, D, 1>());
-  const MmaWarpState<D> st = mma_warp_stream<T, D, G, kStageTokens>(
-      a, plan.block_shift, b, kv_head, head0, heads, 0, end, first_block, ring);
-
-  // Normalized in registers: O's columns 2t and 2t + 1 are heads 2t and 2t + 1, whose sums the
-  // quads of lanes 8t and 8t + 4 hold (a sum is >= 1: the head's max token adds 1).
-  const float inv = 1.f / quad_sum(st.l);
-  const float inv_lo = __shfl_sync(0xffffffffu, inv, 8 * t);
-  const float inv_hi = __shfl_sync(0xffffffffu, inv, 8 * t + 4);
-  // Out through the warp's ring (free: every copy has landed, and after the __syncwarp no lane
-  // reads the last tile), so each lane stores 16 bytes at a time. Rows padded by 4 floats, else
-  // the four quads (heads 2t) write one bank.
-  constexpr int kPitch = D + 4;
-  static_assert(G * kPitch * 4 <= ring_bytes<T, D, 1>(), "the outputs fit in the ring");
-  float* o_s = reinterpret_cast<float*>(ring);  // [G][kPitch]
-  __syncwarp();
-#pragma unroll
-  for (int s = 0; s < D / 16; ++s) {
-    if (2 * t < G) {
-      o_s[2 * t * kPitch + 16 * s + g] = st.acc[s][0] * inv_lo;
-      o_s[2 * t * kPitch + 16 * s + 8 + g] = st.acc[s][2] * inv_lo;
-    }
-    if (2 * t + 1 < G) {
-      o_s[(2 * t + 1) * kPitch + 16 * s + g] = st.acc[s][1] * inv_hi;
-      o_s[(2 * t + 1) * kPitch + 16 * s + 8 + g] = st.acc[s][3] * inv_hi;
-    }
-  }
-  __syncwarp();
-  for (int i = lane; i < heads * (D / 4); i += 32) {
-    const int h = i / (D / 4);
-    const int d = (i % (D / 4)) * 4;
-    const float4 x = *reinterpret_cast<const float4*>(o_s + h * kPitch + d);
-    const float o[4] = {x.x, x.y, x.z, x.w};
-    store4(out + h * a.out_stride_h + d, o);
-  }
-}
-
 int log2_exact(int x) {
   int shift = 0;
   while ((1 << shift) < x) ++shift;
@@ -640,27 +564,9 @@ cudaError_t launch_warps(const PagedDecodeArgs& a, const Plan& plan, int64_t cta
 }
 
 template <typename T, int D, int G>
-cudaError_t launch_items(const PagedDecodeArgs& a, const Plan& plan, int64_t items,
-                         cudaStream_t stream) {
-  constexpr int smem = kItemWarps * ring_bytes<T, D, 1>();
-  const auto kernel = paged_decode_items_kernel<T, D, G>;
-  if constexpr (smem > 48 * 1024) {  // as launch_warps
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-  }
-  const int64_t ctas = (items + kItemWarps - 1) / kItemWarps;
-  kernel<<<static_cast<unsigned>(ctas), kItemWarps * 32, smem, stream>>>(a, plan);
-  return cudaGetLastError();
-}
-
-// warps: 4 or 8 for paged_decode_kernel's CTAs of `ctas`, 0 for the item kernel (tensor cores
-// only; `ctas` then counts its items).
-template <typename T, int D, int G>
 cudaError_t launch_main(const PagedDecodeArgs& a, const Plan& plan, int warps, int64_t ctas,
                         cudaStream_t stream) {
   if constexpr (paged_decode_tensor_cores(D, sizeof(T))) {
-    if (warps == 0) return launch_items<T, D, G>(a, plan, ctas, stream);
     if (warps == 8) return launch_warps<T, D, G, 8>(a, plan, ctas, stream);
   }
   return launch_warps<T, D, G, kWarps>(a, plan, ctas, stream);
@@ -698,12 +604,8 @@ cudaError_t paged_decode_attention(const PagedDecodeArgs& a, DType dtype, cudaSt
   plan.counter_floats = paged_decode_counter_floats(a.batch, a.num_q_heads);
   const int64_t ctas = static_cast<int64_t>(a.batch) * a.num_kv_heads * a.num_splits * g.chunks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  // The item kernel or 8-warp CTAs on tensor cores only (launch_main).
-  const bool tensor_cores =
-      paged_decode_tensor_cores(a.head_dim, dtype == DType::kFloat32 ? 4 : 2);
-  const int warps = paged_decode_warp_items(a.num_splits, ctas, a.num_sms, tensor_cores)
-                        ? 0
-                        : paged_decode_warps(a.num_splits, ctas, a.num_sms, plan.tokens_per_split);
+  // 8 on tensor cores only (launch_main).
+  const int warps = paged_decode_warps(a.num_splits, ctas, a.num_sms, plan.tokens_per_split);
 
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

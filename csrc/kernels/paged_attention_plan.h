@@ -80,27 +80,6 @@ inline int paged_decode_warps(int64_t num_splits, int64_t ctas, int64_t num_sms,
   return ctas <= num_sms && (num_splits == 1 || split_tokens >= kWideSplitTokens) ? 8 : 4;
 }
 
-// The item kernel (paged_attention.cu): one warp per (sequence, kv head, head chunk) streaming
-// the whole context, CTAs of kItemWarps warps, kItemWarpsPerSm warps per SM (2 CTAs; <= 128
-// registers a thread).
-inline constexpr int kItemWarps = 8;
-inline constexpr int kItemWarpsPerSm = 16;
-
-// Whether an unsplit tensor-core launch of `items` (sequence, kv head, head chunk) runs the item
-// kernel: when its CTAs fill their last wave to >= 95%. Its CTAs live as long as the whole
-// launch, so a partial last wave idles SMs for a whole CTA's time: on an H100 (W3's heads,
-// contexts of 1024) 256 sequences (97% of one wave) ran 1% faster than paged_decode_kernel's
-// 4-warp CTAs, 512 (97% of two) level, but 160 (61%) 7% slower and 384 (73% of two) 1.5%
-// slower (session 13, docs/measurements.md).
-inline bool paged_decode_warp_items(int64_t num_splits, int64_t items, int64_t num_sms,
-                                    bool tensor_cores) {
-  if (!tensor_cores || num_splits != 1 || items <= 0 || num_sms <= 0) return false;
-  const int64_t ctas = (items + kItemWarps - 1) / kItemWarps;
-  const int64_t slots = num_sms * (kItemWarpsPerSm / kItemWarps);
-  const int64_t capacity = (ctas + slots - 1) / slots * slots;
-  return 20 * ctas >= 19 * capacity;
-}
-
 // Splits of each sequence's context (>= 1), from shapes only. Every SM should stream K/V, but a
 // CTA beyond the first on an SM pays its own prologue (context length -> block table -> K/V,
 // three dependent reads) and one more partial to merge, which only long splits repay. So: the

@@ -42,32 +42,27 @@ __device__ __forceinline__ int tile_offset(int token, int chunk) {
   return token * D + (chunk ^ token) * 8;
 }
 
-// A warp's online softmax over the tokens it has seen: O^T's accumulators, [m tile s][c0..c3] =
-// O[heads 2t, 2t + 1][dims 16s + g, 16s + 8 + g] (unnormalized), head g's running max (log2
-// units) and this lane's share of head g's sum (the quad's four shares add up to it).
-template <int D>
-struct MmaWarpState {
-  float acc[D / 16][4];
-  float m, l;
-};
-
-// One warp's stream of 8-token tiles over [first, end): tokens first + kStride * i (kStride a
-// multiple of 8), through the warp's own ring of kStages tiles (`ring`, ring_bytes<T, D, 1>).
-// `first_block` is the table entry of the tile at `first`, read by the caller before the context
-// length arrives.
-template <typename T, int D, int G, int kStride>
-__device__ __forceinline__ MmaWarpState<D> mma_warp_stream(const PagedDecodeArgs& a,
-                                                          int block_shift, int b, int kv_head,
-                                                          int head0, int heads, int first,
-                                                          int end, int first_block, T* ring) {
+// One warp's share of the split [begin, end) in a CTA of W warps: its tokens begin + 8 * warp +
+// 8 * W * i. Leaves the warp's normalized-later partial output, max and sum (log2 units) of its
+// heads in s_acc, s_max and s_sum (a warp that saw no token leaves max kNegBig and sum 0).
+// `ring_smem` is ring_bytes of shared memory that s_acc may alias: the CTA syncs before the first
+// write to s_acc. `first_block` is the table entry of the warp's first tile (token begin +
+// 8 * warp), read by the caller before the context length arrives.
+template <typename T, int D, int G, int W>
+__device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int block_shift, int b,
+                                              int kv_head, int head0, int heads, int begin,
+                                              int end, int first_block, unsigned char* ring_smem,
+                                              float (*s_acc)[G][D], float (*s_max)[G],
+                                              float (*s_sum)[G]) {
   static_assert(G <= 8, "a head group is N = 8 columns of O's tile");
   constexpr int kChunks = D / 8;                          // 16-byte chunks of a token row
   constexpr int kSteps = D / 16;                          // k16 steps of S, m16 tiles of O
   constexpr int kPieces = kStageTokens * kChunks / 32;    // a lane's copies per tile
   constexpr int kTile = kStageTokens * D;                 // elements of a K or V tile
-  static_assert(kStride % kStageTokens == 0, "a warp's tiles start at multiples of 8");
-  const int lane = threadIdx.x % 32;
+  constexpr int kWarpStride = W * kStageTokens;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
+  T* ring = reinterpret_cast<T*>(ring_smem) + warp * kStages * 2 * kTile;
 
   // Q's A fragments, rows g (head g of the chunk; zeros past `heads`): [k step][cols 2t.., 2t+8..].
   uint32_t qa[kSteps][2];
@@ -78,15 +73,15 @@ __device__ __forceinline__ MmaWarpState<D> mma_warp_stream(const PagedDecodeArgs
     qa[s][1] = g < heads ? *reinterpret_cast<const uint32_t*>(q + 16 * s + 2 * t + 8) : 0u;
   }
 
-  MmaWarpState<D> st;
-  auto& acc = st.acc;
+  // O^T's accumulators: [m tile s][c0..c3] = O[heads 2t, 2t + 1][dims 16s + g, 16s + 8 + g].
+  float acc[kSteps][4];
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[s][e] = 0.f;
   }
   const float q_scale = a.scale * kLog2e;  // scores in log2 units
-  float m = kNegBig, l = 0.f;
+  float m = kNegBig, l = 0.f;  // head g's running max and this lane's share of its sum
 
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
@@ -95,7 +90,7 @@ __device__ __forceinline__ MmaWarpState<D> mma_warp_stream(const PagedDecodeArgs
   const int slot_mask = (1 << block_shift) - 1;
 
   // The stage to fill next: its first token and physical block (read one stage ahead).
-  int next = first;
+  int next = begin + warp * kStageTokens;
   int next_block = next < end ? first_block : 0;
   auto fill_next = [&](int stage) {
     if (next < end) {
@@ -114,7 +109,7 @@ __device__ __forceinline__ MmaWarpState<D> mma_warp_stream(const PagedDecodeArgs
       }
     }
     cp_async_commit();  // possibly empty: the group count stays uniform
-    next += kStride;
+    next += kWarpStride;
     next_block = next < end ? __ldg(table + (next >> block_shift)) : 0;
   };
 #pragma unroll
@@ -123,7 +118,7 @@ __device__ __forceinline__ MmaWarpState<D> mma_warp_stream(const PagedDecodeArgs
   // ldmatrix rows: lanes 8i..8i+7 give tokens 0-7 of chunk 4j + i (matrix i of load j).
   const int frag_token = lane % 8, frag_chunk = lane / 8;
   int stage = 0;
-  for (int t0 = first; t0 < end; t0 += kStride) {  // warp-uniform
+  for (int t0 = begin + warp * kStageTokens; t0 < end; t0 += kWarpStride) {  // warp-uniform
     __syncwarp();  // every lane is done reading the stage refilled next
     fill_next((stage + kStages - 1) % kStages);
     cp_async_wait<kStages - 1>();
@@ -183,51 +178,23 @@ __device__ __forceinline__ MmaWarpState<D> mma_warp_stream(const PagedDecodeArgs
     stage = (stage + 1) % kStages;
   }
   cp_async_wait<0>();
-  st.m = m;
-  st.l = l;
-  return st;
-}
 
-// Head g's whole sum, from the quad's shares, in every lane of the quad.
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-// One warp's share of the split [begin, end) in a CTA of W warps that all serve the same heads:
-// its tiles start at begin + 8 * warp, W * 8 tokens apart. Leaves the warp's unnormalized
-// partial output, max and sum (log2 units) of its heads in s_acc, s_max and s_sum (a warp that
-// saw no token leaves max kNegBig and sum 0). `ring_smem` is ring_bytes<T, D, W> of shared memory
-// that s_acc may alias: the CTA syncs before the first write to s_acc. `first_block` is the
-// table entry of the warp's first tile.
-template <typename T, int D, int G, int W>
-__device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int block_shift, int b,
-                                              int kv_head, int head0, int heads, int begin,
-                                              int end, int first_block, unsigned char* ring_smem,
-                                              float (*s_acc)[G][D], float (*s_max)[G],
-                                              float (*s_sum)[G]) {
-  constexpr int kSteps = D / 16;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane / 4, t = lane % 4;
-  T* ring = reinterpret_cast<T*>(ring_smem + warp * ring_bytes<T, D, 1>());
-  const MmaWarpState<D> st = mma_warp_stream<T, D, G, W * kStageTokens>(
-      a, block_shift, b, kv_head, head0, heads, begin + warp * kStageTokens, end, first_block,
-      ring);
-  const float l = quad_sum(st.l);
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
   __syncthreads();  // every warp is done with its ring: s_acc may alias it
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     if (2 * t < G) {
-      s_acc[warp][2 * t][16 * s + g] = st.acc[s][0];
-      s_acc[warp][2 * t][16 * s + 8 + g] = st.acc[s][2];
+      s_acc[warp][2 * t][16 * s + g] = acc[s][0];
+      s_acc[warp][2 * t][16 * s + 8 + g] = acc[s][2];
     }
     if (2 * t + 1 < G) {
-      s_acc[warp][2 * t + 1][16 * s + g] = st.acc[s][1];
-      s_acc[warp][2 * t + 1][16 * s + 8 + g] = st.acc[s][3];
+      s_acc[warp][2 * t + 1][16 * s + g] = acc[s][1];
+      s_acc[warp][2 * t + 1][16 * s + 8 + g] = acc[s][3];
     }
   }
   if (t == 0 && g < G) {
-    s_max[warp][g] = st.m;
+    s_max[warp][g] = m;
     s_sum[warp][g] = l;
   }
 }
