@@ -57,8 +57,8 @@ struct Strides {
   int64_t block, token, head;
 };
 
-// One CTA per (sequence, query head): scores in fp32 to `scores` [B, Hq, ctx], then softmax and
-// the weighted sum. Slow and obviously right.
+// One CTA per (sequence, query head): scores in fp32 to `scores` [B, Hq, max_ctx] (sequence b's
+// first lens[b]), then softmax and the weighted sum. Slow and obviously right.
 __global__ void reference(const bf16* q, const bf16* k, const bf16* v, const int* table,
                           const int* lens, int max_ctx, int max_blocks, Strides st, float scale,
                           float* scores, float* out) {
