@@ -116,22 +116,8 @@ __global__ void __launch_bounds__(32) bulk_read(Job j) {
 }
 
 float time_us(const Job& job, int ctas, int smem) {
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 22; ++rep) {
-    CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < 10; ++i) bulk_read<<<ctas, 32, smem>>>(job);
-    CHECK(cudaEventRecord(e1));
-    CHECK(cudaEventSynchronize(e1));
-    float t = 0.f;
-    CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (rep >= 2) ms.push_back(t / 10);
-  }
-  CHECK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  return 1e3f * ms[ms.size() / 2];
+  return median_launch_us([&] { for (int i = 0; i < 10; ++i) bulk_read<<<ctas, 32, smem>>>(job); },
+                          10);
 }
 
 int main(int argc, char** argv) {

@@ -21,8 +21,8 @@
 // paged layout at all: K and V are dense SDPA's [B, Hkv, S, D] tensors, read through the cache
 // strides, a block stride of 16 rows and a table of each sequence's consecutive 16-row blocks,
 // so the kernel reads the same contiguous streams as the cuDNN kernel behind dense SDPA) or
-// sorted (shuffled, then each sequence's blocks in ascending order: CTAs that walk their tables
-// at the same pace then read one region of the pool at a time); --ragged draws each sequence's
+// sorted (shuffled, then each sequence's blocks in ascending physical order, gaps and all: the
+// tables a per-step sort would hand the kernel); --ragged draws each sequence's
 // length from [C / 8, C] instead of C (GB/s then counts the K/V read, not the cache).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -209,10 +209,6 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
     diff = std::max(diff, std::fabs(__bfloat162float(got[i]) - want[i]));
   }
 
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
   constexpr int kLaunches = 10;
   int c = 0;
   cudaGraphExec_t exec = nullptr;
@@ -224,18 +220,12 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
     CHECK(cudaGraphInstantiate(&exec, g, 0));
     CHECK(cudaGraphDestroy(g));
   }
-  for (int rep = 0; rep < 22; ++rep) {
-    CHECK(cudaEventRecord(e0, stream));
-    if (graph) CHECK(cudaGraphLaunch(exec, stream));
-    else for (int i = 0; i < kLaunches; ++i) launch(c = (c + 1) % copies);
-    CHECK(cudaEventRecord(e1, stream));
-    CHECK(cudaEventSynchronize(e1));
-    float t = 0.f;
-    CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (rep >= 2) ms.push_back(t / kLaunches);
-  }
-  std::sort(ms.begin(), ms.end());
-  const float us = 1e3f * ms[ms.size() / 2];
+  const float us = median_launch_us(
+      [&] {
+        if (graph) CHECK(cudaGraphLaunch(exec, stream));
+        else for (int i = 0; i < kLaunches; ++i) launch(c = (c + 1) % copies);
+      },
+      kLaunches, stream);
   if (exec) CHECK(cudaGraphExecDestroy(exec));
   CHECK(cudaStreamDestroy(stream));
   const char* order_name[] = {"", ", sequential", ", 64-block runs", ", dense [B, Hkv, S, D]",
@@ -255,8 +245,6 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
     CHECK(cudaFree(ptr));
   }
   if (workspace) CHECK(cudaFree(workspace));
-  CHECK(cudaEventDestroy(e0));
-  CHECK(cudaEventDestroy(e1));
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
 // What the diagnostic programs (scripts/read_probe.cu, decode_probe.cu, bulk_probe.cu) share:
-// CHECK, their error handling, and random_bits, the source of their inputs.
+// CHECK, their error handling; random_bits, the source of their inputs; median_launch_us, their
+// timer.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -25,4 +28,29 @@ __device__ __forceinline__ uint32_t random_bits(int64_t i, uint32_t seed) {
   h *= 2246822519u;
   h ^= h >> 13;
   return h;
+}
+
+// Median microseconds of one launch: 22 event pairs on `stream`, each around one run(), which
+// enqueues `launches` launches back to back (so launch gaps are amortized); the first 2 pairs
+// are warm-up.
+template <typename Run>
+float median_launch_us(Run run, int launches, cudaStream_t stream = nullptr) {
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 22; ++rep) {
+    CHECK(cudaEventRecord(e0, stream));
+    run();
+    CHECK(cudaEventRecord(e1, stream));
+    CHECK(cudaEventSynchronize(e1));
+    float t = 0.f;
+    CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (rep >= 2) ms.push_back(t / launches);
+  }
+  CHECK(cudaGetLastError());
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
+  std::sort(ms.begin(), ms.end());
+  return 1e3f * ms[ms.size() / 2];
 }

@@ -246,23 +246,10 @@ float time_ms(const Variant& var, const Shape& s, int ctas_per_sm, int smem_per_
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, var.kernel, kThreads, smem));
   if (fit != ctas_per_sm) return -1.f;
   const int grid = s.batch * kHkv * s.splits;
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
   constexpr int kLaunches = 10;
-  for (int rep = 0; rep < 22; ++rep) {
-    CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < kLaunches; ++i) var.kernel<<<grid, kThreads, smem>>>(s);
-    CHECK(cudaEventRecord(e1));
-    CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (rep >= 2) ms.push_back(t / kLaunches);
-  }
-  CHECK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return 1e-3f * median_launch_us(
+      [&] { for (int i = 0; i < kLaunches; ++i) var.kernel<<<grid, kThreads, smem>>>(s); },
+      kLaunches);
 }
 
 int main(int argc, char** argv) {
