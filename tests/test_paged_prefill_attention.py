@@ -124,6 +124,34 @@ def test_long_prompts_and_prefixes(device, seqs):
     run_and_check(make_batch(seqs, 8, 2, 128, 16, torch.bfloat16, device))
 
 
+def tall_tile_tokens(num_q_heads: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
+    """(tokens of one 128-row query tile, tiles from which 128-row CTAs give every SM two) for
+    the tensor-core kernel's rule (csrc/kernels/paged_prefill_attention.cu): a kv head's group is
+    cut into chunks of <= 16 heads, a CTA's rows are (token, head) pairs of one chunk."""
+    group = num_q_heads // num_kv_heads
+    chunks = math.ceil(group / 16)
+    tile_tokens = 128 // math.ceil(group / chunks)
+    return tile_tokens, math.ceil(2 * num_sms / (num_kv_heads * chunks))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(32, 8), (64, 2)])
+@pytest.mark.parametrize("grid", ["two CTAs per SM", "fewer"])
+def test_both_cta_heights(dtype, head_dim, heads, grid):
+    """16-bit inputs at head_dim <= 128 run 128-row CTAs where that grid gives every SM two of
+    them, else 64-row ones. Batches sized from this GPU's SM count land on each side of the rule:
+    a prefix hit ending mid-block (masked and unmasked key tiles) beside a fresh prompt."""
+    tile_tokens, tiles = tall_tile_tokens(*heads, torch.cuda.get_device_properties(0).multi_processor_count)
+    # Flat tiles of a batch: at most tokens / tile_tokens + batch (cta_work), so the short side
+    # stays under `tiles` and the tall side passes it.
+    tokens = (tiles + 2) * tile_tokens if grid == "two CTAs per SM" else (tiles - 3) * tile_tokens
+    fresh = 3 * tile_tokens + 5
+    seqs = [(tokens - fresh, tokens - fresh + 301), (fresh, fresh)]
+    run_and_check(make_batch(seqs, *heads, head_dim, 16, dtype, "cuda"))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fresh_prompts_equal_causal_sdpa(device, dtype):

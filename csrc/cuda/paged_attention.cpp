@@ -1,8 +1,5 @@
 // CUDA launcher of paged_decode_attention: check, choose the split count from shapes, guard the
 // device, launch on the current stream. The kernels live in csrc/kernels/paged_attention.cu.
-#include <array>
-#include <atomic>
-
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
@@ -13,17 +10,6 @@
 
 namespace pagedkv {
 namespace {
-
-// Read once per device, then cached: a driver query per call would cost more than the launch.
-int sm_count(int device) {
-  static std::array<std::atomic<int>, 64> cache{};  // 0: not read yet
-  int n = device >= 0 && device < 64 ? cache[device].load(std::memory_order_relaxed) : 0;
-  if (n == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    if (device >= 0 && device < 64) cache[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
 
 // The automatic split count: shapes and the SM count only, never context_lens.
 int64_t auto_num_splits(const at::Tensor& q, const at::Tensor& k_cache,

@@ -26,6 +26,7 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
   args.query_start_loc = query_start_loc.const_data_ptr<int>();
   args.num_tokens = static_cast<int>(q.size(0));
   args.max_query_len = static_cast<int>(max_query_len);
+  args.num_sms = sm_count(q.device().index());
   C10_CUDA_CHECK(kernels::paged_prefill_attention(args, kernel_dtype(q),
                                                   c10::cuda::getCurrentCUDAStream()));
 }

@@ -17,6 +17,7 @@ struct PagedPrefillArgs : PagedAttentionArgs {  // rows = new tokens; context_le
   const int* query_start_loc;  // [batch + 1]: sequence b's new tokens are rows [qsl[b], qsl[b+1])
   int num_tokens;              // rows of q; query_start_loc[batch] <= num_tokens
   int max_query_len;           // host upper bound of qsl[b+1] - qsl[b] (with num_tokens, sizes the grid)
+  int num_sms;                 // the device's SM count: how many rows a CTA takes
 };
 
 // head_dim in {64, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a multiple

@@ -1,7 +1,8 @@
 // What both paged prefill kernels share: the host plan, the work of one CTA (which sequence, kv
 // head, head chunk and query tile), and the cp.async loaders of the Q tile and of K/V tiles read
-// through the block table. A CTA's kRows rows are (token, query head) pairs of one kv head's group:
-// row r is token r / heads, head r % heads, so each K/V tile in shared memory serves the group.
+// through the block table. A CTA's rows (64 on CUDA cores, 64 or 128 on tensor cores) are (token,
+// query head) pairs of one kv head's group: row r is token r / heads, head r % heads, so each K/V
+// tile in shared memory serves the group.
 #pragma once
 #include <cstdint>
 
@@ -11,8 +12,7 @@
 
 namespace pagedkv::kernels::prefill {
 
-constexpr int kRows = 64;           // (token, head) rows of a CTA
-constexpr int kMaxChunkHeads = 16;  // larger groups are cut into chunks: >= 4 tokens a tile
+constexpr int kMaxChunkHeads = 16;  // larger groups are cut into chunks: >= 4 tokens a tile of 64 rows
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegBig = -1e30f;   // "no key yet": finite, so exp2f(kNegBig - x) is 0, not NaN
 
@@ -27,7 +27,7 @@ struct Plan {
   int group_size;       // num_q_heads / num_kv_heads
   int head_chunks;      // CTAs that split one kv head's group of query heads
   int chunk_heads;      // query heads per chunk (the last chunk may have fewer)
-  int tokens_per_tile;  // kRows / chunk_heads
+  int tokens_per_tile;  // the kernel's rows / chunk_heads
   int tiles;            // query tiles of the whole batch (see cta_work)
   int block_shift;      // log2(block_size)
   int max_tokens;       // max_blocks * block_size: context_lens are clamped to it
@@ -81,7 +81,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 }
 
 // The CTA's kRows query rows into s_q [kRows][row_stride], zeros past w.rows.
-template <typename T, int D, int kThreads>
+template <typename T, int D, int kRows, int kThreads>
 __device__ __forceinline__ void load_q_tile(T* s_q, const PagedPrefillArgs& a, const Work& w) {
   constexpr int kVec = 16 / sizeof(T), kChunksPerRow = D / kVec, kLd = row_stride<T, D>();
   const T* q = static_cast<const T*>(a.q);

@@ -12,6 +12,7 @@ namespace pagedkv::kernels::prefill {
 
 namespace simt {
 constexpr int kThreads = 256;
+constexpr int kRows = 64;        // (token, head) rows of a CTA: 2 a thread
 constexpr int kKeys = 32;        // keys per K/V tile
 constexpr int kPLd = kKeys + 8;  // P row stride (floats): 4 rows of 8 lanes hit 32 banks
 
@@ -73,7 +74,7 @@ paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
 
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
-  load_q_tile<T, D, kThreads>(s_q, a, w);
+  load_q_tile<T, D, kRows, kThreads>(s_q, a, w);
   load_kv_tile<T, D, kKeys, kThreads>(s_k, k_cache, 0, a, plan, w);
   cp_async_commit();  // group: Q and K tile 0
 
