@@ -95,27 +95,52 @@ __device__ __forceinline__ void load_q_tile(T* s_q, const PagedPrefillArgs& a, c
   }
 }
 
-// Keys [key0, key0 + kKeys) of one cache (this kv head) into dst [kKeys][row_stride]; zeros past
-// w.kv_end, whose table entries are never read.
-template <typename T, int D, int kKeys, int kThreads>
-__device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, int key0,
-                                             const PagedPrefillArgs& a, const Plan& plan,
-                                             const Work& w) {
-  constexpr int kVec = 16 / sizeof(T), kChunksPerRow = D / kVec, kLd = row_stride<T, D>();
+// Calls piece(n, col, offset, valid) for each 16-byte piece of keys [key0, key0 + kKeys) of this
+// kv head that this thread copies: tile row n, column col, and the piece's element offset in
+// either cache (K and V share strides; 0 past w.kv_end, whose table entries are never read).
+template <typename T, int D, int kKeys, int kThreads, typename Piece>
+__device__ __forceinline__ void for_each_kv_piece(int key0, const PagedPrefillArgs& a,
+                                                  const Plan& plan, const Work& w, Piece piece) {
+  constexpr int kVec = 16 / sizeof(T), kChunksPerRow = D / kVec;
   const int* table = a.block_tables + static_cast<int64_t>(w.b) * a.max_blocks;
   const int slot_mask = (1 << plan.block_shift) - 1;
   for (int c = threadIdx.x; c < kKeys * kChunksPerRow; c += kThreads) {
     const int n = c / kChunksPerRow, col = (c % kChunksPerRow) * kVec;
     const int key = key0 + n;
     const bool valid = key < w.kv_end;
-    const T* src = cache;
+    int64_t offset = 0;
     if (valid) {
       const int64_t block = __ldg(table + (key >> plan.block_shift));
-      src = cache + block * a.cache_stride_block + (key & slot_mask) * a.cache_stride_token +
-            w.kv_head * a.cache_stride_head + col;
+      offset = block * a.cache_stride_block + (key & slot_mask) * a.cache_stride_token +
+               w.kv_head * a.cache_stride_head + col;
     }
-    cp_async16(dst + n * kLd + col, src, valid);
+    piece(n, col, offset, valid);
   }
+}
+
+// Keys [key0, key0 + kKeys) of one cache into dst [kKeys][row_stride], zeros past w.kv_end.
+template <typename T, int D, int kKeys, int kThreads>
+__device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, int key0,
+                                             const PagedPrefillArgs& a, const Plan& plan,
+                                             const Work& w) {
+  constexpr int kLd = row_stride<T, D>();
+  for_each_kv_piece<T, D, kKeys, kThreads>(key0, a, plan, w, [=](int n, int col, int64_t offset, bool valid) {
+    cp_async16(dst + n * kLd + col, cache + offset, valid);
+  });
+}
+
+// The same keys of both caches at once: each piece's table read and address serve K and V. The
+// issue of these copies limits the tensor-core kernel: computing them once for both ran it
+// 13-20% faster on an H100 (session 14) than two load_kv_tile calls.
+template <typename T, int D, int kKeys, int kThreads>
+__device__ __forceinline__ void load_kv_tiles(T* dst_k, T* dst_v, const T* k_cache, const T* v_cache,
+                                              int key0, const PagedPrefillArgs& a, const Plan& plan,
+                                              const Work& w) {
+  constexpr int kLd = row_stride<T, D>();
+  for_each_kv_piece<T, D, kKeys, kThreads>(key0, a, plan, w, [=](int n, int col, int64_t offset, bool valid) {
+    cp_async16(dst_k + n * kLd + col, k_cache + offset, valid);
+    cp_async16(dst_v + n * kLd + col, v_cache + offset, valid);
+  });
 }
 
 // Max / sum over `width` consecutive lanes (a power of two <= 32).

@@ -6,7 +6,8 @@
 //   accumulators (a row's keys sit in the 4 lanes of a quad);
 //   O += P V: the S accumulators, rounded to bf16/fp16, are P's A fragments as they are (no
 //   shared-memory round trip); V fragments by ldmatrix.trans.
-// K/V tiles are double-buffered: tile j + 1's cp.asyncs are issued before tile j is computed.
+// K/V tiles are double-buffered: tile j + 1's cp.asyncs are issued before tile j is computed,
+// K's and V's together from one table read and address per 16-byte piece (load_kv_tiles).
 // (Fragment layouts: kernels/mma.cuh.)
 #pragma once
 #include "kernels/paged_prefill_common.cuh"
@@ -61,8 +62,7 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
   const int num_tiles = (w.kv_end + kKeys - 1) / kKeys;
   load_q_tile<T, D, kRows, kThreads>(s_q, a, w);
   if (num_tiles > 0) {
-    load_kv_tile<T, D, kKeys, kThreads>(s_k, k_cache, 0, a, plan, w);
-    load_kv_tile<T, D, kKeys, kThreads>(s_v, v_cache, 0, a, plan, w);
+    load_kv_tiles<T, D, kKeys, kThreads>(s_k, s_v, k_cache, v_cache, 0, a, plan, w);
   }
   cp_async_commit();  // group: Q and K/V tile 0
 
@@ -104,8 +104,8 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
     // Tile kt + 1 into the other stage, which the previous iteration's last barrier freed.
     if (kt + 1 < num_tiles) {
       const int next = (kt + 1) % kStages;
-      load_kv_tile<T, D, kKeys, kThreads>(s_k + next * kKeys * kLd, k_cache, key0 + kKeys, a, plan, w);
-      load_kv_tile<T, D, kKeys, kThreads>(s_v + next * kKeys * kLd, v_cache, key0 + kKeys, a, plan, w);
+      load_kv_tiles<T, D, kKeys, kThreads>(s_k + next * kKeys * kLd, s_v + next * kKeys * kLd, k_cache,
+                                           v_cache, key0 + kKeys, a, plan, w);
     }
     cp_async_commit();   // possibly empty: keeps the group count uniform
     cp_async_wait<1>();  // tile kt (and Q) are in
