@@ -143,6 +143,13 @@ __device__ __forceinline__ void load_kv_tiles(T* dst_k, T* dst_v, const T* k_cac
   });
 }
 
+// Where row r of the CTA (token r / heads, query head r % heads) writes its output.
+template <typename T>
+__device__ __forceinline__ T* output_row(const PagedPrefillArgs& a, const Work& w, int r) {
+  return static_cast<T*>(a.out) + (w.first + w.tok0 + r / w.heads) * a.out_stride_row +
+         (w.head0 + r % w.heads) * a.out_stride_h;
+}
+
 // Max / sum over `width` consecutive lanes (a power of two <= 32).
 template <int kWidth>
 __device__ __forceinline__ float lanes_max(float x) {

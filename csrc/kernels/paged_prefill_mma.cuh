@@ -207,7 +207,6 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
   }
   cp_async_wait<0>();
 
-  T* out = static_cast<T*>(a.out);
 #pragma unroll
   for (int mt = 0; mt < kM; ++mt) {
 #pragma unroll
@@ -216,8 +215,7 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
       const float total = lanes_sum<4>(l[mt][i]);
       if (r >= w.rows) continue;
       const float inv = total > 0.f ? 1.f / total : 0.f;  // a row before position 0: zeros
-      T* dst = out + (w.first + w.tok0 + r / w.heads) * a.out_stride_row +
-               (w.head0 + r % w.heads) * a.out_stride_h;
+      T* dst = output_row<T>(a, w, r);
 #pragma unroll
       for (int n = 0; n < kDimTiles; ++n) {
         Vec<T, 2> v;

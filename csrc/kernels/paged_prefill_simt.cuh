@@ -178,15 +178,13 @@ paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
   }
   cp_async_wait<0>();
 
-  T* out = static_cast<T*>(a.out);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = rg + 32 * i;
     const float total = lanes_sum<8>(l[i]);
     if (r >= w.rows) continue;
     const float inv = total > 0.f ? 1.f / total : 0.f;  // a row before position 0: zeros
-    T* dst = out + (w.first + w.tok0 + r / w.heads) * a.out_stride_row +
-             (w.head0 + r % w.heads) * a.out_stride_h;
+    T* dst = output_row<T>(a, w, r);
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       Vec<T, 4> v;
