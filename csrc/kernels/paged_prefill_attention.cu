@@ -52,9 +52,10 @@ bool make_plan(const PagedPrefillArgs& a, int rows, Plan& plan, int64_t& ctas) {
   const int64_t tiles = std::min(by_tokens, by_length);
   plan.block_shift = log2_exact(a.block_size);
   plan.max_tokens = a.max_blocks * a.block_size;
-  plan.tiles = static_cast<int>(std::min<int64_t>(tiles, 0x7fffffff));
   ctas = tiles * a.num_kv_heads * plan.head_chunks;
-  return ctas <= 0x7fffffff;
+  if (ctas > 0x7fffffff) return false;
+  plan.tiles = static_cast<int>(tiles);  // <= ctas
+  return true;
 }
 
 template <typename T, int D>
