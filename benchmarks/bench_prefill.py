@@ -3,7 +3,7 @@ shuffled; every sequence of a point has `new` tokens at the end of a `context` (
 fresh prompts; new < context: a prefix-cache hit or a later chunk of a chunked prefill). Side by
 side in one run:
 
-- pagedkv.ops.paged_prefill_attention (CUDA graph replay);
+- pagedkv.ops.paged_prefill_attention (CUDA graph replay; its split workspace allocated once);
 - the HF way: gather the blocks into dense K/V, then scaled_dot_product_attention with the causal
   mask of the last `new` positions;
 - dense SDPA on contiguous K/V (no gather), same mask: the bar for "paging costs nothing".
@@ -30,7 +30,9 @@ from timing import median_time_us  # noqa: E402
 from pagedkv import ops  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-POINTS = [(1, 2048, 2048), (4, 1024, 1024), (1, 512, 8192), (8, 256, 2048), (16, 128, 4096)]  # batch, new, context
+# batch, new, context; 1x128/8192: a short turn after a long cached conversation (key splits).
+POINTS = [(1, 2048, 2048), (4, 1024, 1024), (1, 512, 8192), (1, 128, 8192), (8, 256, 2048),
+          (16, 128, 4096)]
 SMALL_POINTS = [(1, 128, 128), (2, 32, 256)]
 DTYPE = torch.bfloat16
 
@@ -52,8 +54,11 @@ def bench_point(batch: int, new: int, context: int, device: str) -> dict:
     mask = torch.arange(context, device=device)[None, :] <= positions[:, None]  # [new, context]
     q_dense = q.view(batch, new, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
 
+    workspace = ops.paged_prefill_workspace(q, k_cache, table, new)
+
     def pagedkv():
-        ops.paged_prefill_attention(q, k_cache, v_cache, table, lens, qsl, scale, new, out=out)
+        ops.paged_prefill_attention(q, k_cache, v_cache, table, lens, qsl, scale, new, out=out,
+                                    workspace=workspace)
 
     def gather(cache):  # [B, Hkv, context, D], as HF's paged path assembles K/V before SDPA
         return cache[table_long].view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
@@ -70,7 +75,8 @@ def bench_point(batch: int, new: int, context: int, device: str) -> dict:
 
     pagedkv()
     expected = dense_sdpa().transpose(1, 2).reshape_as(out)
-    row = {"point": f"{batch}x{new}/{context}", "max_diff": (out.float() - expected.float()).abs().max().item()}
+    row = {"point": f"{batch}x{new}/{context}", "max_diff": (out.float() - expected.float()).abs().max().item(),
+           "splits": ops.paged_prefill_num_splits(q, k_cache, table, new)}
     pairs = batch * (new * (context - new) + new * (new + 1) // 2)
     for name, fn in (("pagedkv", pagedkv), ("gather", gather_sdpa), ("dense", dense_sdpa)):
         us = median_time_us(fn, device)
@@ -93,9 +99,9 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    header = ["batch x new/context", "pagedkv us", "pagedkv TFLOP/s", "gather+SDPA us",
+    header = ["batch x new/context", "key splits", "pagedkv us", "pagedkv TFLOP/s", "gather+SDPA us",
               "gather+SDPA TFLOP/s", "dense SDPA TFLOP/s", "speed-up vs gather+SDPA", "max abs diff vs SDPA"]
-    table_rows = [[r["point"], r["pagedkv_us"], r["pagedkv_tflops"], r["gather_us"], r["gather_tflops"],
+    table_rows = [[r["point"], r["splits"], r["pagedkv_us"], r["pagedkv_tflops"], r["gather_us"], r["gather_tflops"],
                    r["dense_tflops"], r["gather_us"] / r["pagedkv_us"], r["max_diff"]] for r in rows]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     title = (f"Paged prefill attention, {str(DTYPE).removeprefix('torch.')}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv "

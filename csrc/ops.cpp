@@ -51,7 +51,15 @@ TORCH_LIBRARY(pagedkv, m) {
   // Prefill/chunked-prefill attention: sequence b's new tokens are q rows [qsl[b], qsl[b+1]), the
   // last of its context_lens[b] tokens (already in the cache); each attends causally through
   // block_tables[b]. max_query_len: a host upper bound of the rows per sequence (sizes the grid).
+  // workspace: fp32 split partials, needed on CUDA when paged_prefill_num_splits > 1.
   m.def("paged_prefill_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale, "
-        "int max_query_len) -> ()");
+        "int max_query_len, Tensor(a!)? workspace=None) -> ()");
+  // The key splits the CUDA path of paged_prefill_attention picks from shapes, q's dtype and the
+  // SM count (host only; max_tokens = max_blocks * block_size), and the fp32 floats of its
+  // workspace (0 unsplit).
+  m.def("paged_prefill_num_splits(int num_tokens, int batch, int max_query_len, int num_q_heads, "
+        "int num_kv_heads, int head_dim, ScalarType dtype, int max_tokens, int num_sms) -> int");
+  m.def("paged_prefill_workspace_floats(int num_tokens, int num_q_heads, int head_dim, "
+        "int num_splits) -> int");
 }

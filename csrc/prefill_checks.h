@@ -14,7 +14,8 @@ inline void check_paged_prefill_args(const at::Tensor& out, const at::Tensor& q,
                                      const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& block_tables,
                                      const at::Tensor& context_lens,
-                                     const at::Tensor& query_start_loc, int64_t max_query_len) {
+                                     const at::Tensor& query_start_loc, int64_t max_query_len,
+                                     const std::optional<at::Tensor>& workspace) {
   check_paged_kv_args(out, q, k_cache, v_cache, block_tables, context_lens, "num_tokens", -1);
   check_same_device(query_start_loc, q, "query_start_loc", "q");
   const int64_t batch = block_tables.size(0);
@@ -29,6 +30,12 @@ inline void check_paged_prefill_args(const at::Tensor& out, const at::Tensor& q,
   TORCH_CHECK(max_query_len >= 0 && max_query_len <= INT32_MAX, "pagedkv: max_query_len is ",
               max_query_len, "; allowed: 0 to 2^31 - 1 (an upper bound of every sequence's "
               "query_start_loc[b + 1] - query_start_loc[b])");
+  if (workspace.has_value()) {
+    check_same_device(*workspace, q, "workspace", "q");
+    TORCH_CHECK(workspace->scalar_type() == at::kFloat, "pagedkv: workspace has dtype ",
+                workspace->scalar_type(), "; allowed: torch.float32");
+    check_contiguous(*workspace, "workspace");
+  }
 }
 
 }  // namespace pagedkv

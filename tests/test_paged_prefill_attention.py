@@ -364,3 +364,90 @@ def test_many_sequences_and_rows_outside_every_sequence(device):
         baseline=reference_paged_prefill(*args, 0.125, dtype=dtype)[lead:-trail],
         reference=reference_paged_prefill(*args, 0.125, dtype=torch.float64)[lead:-trail],
     )
+
+
+# --- key splits (CUDA, bf16/fp16, head_dim <= 128) --------------------------------------------
+
+H100_SMS = 132
+
+
+def test_split_rule():
+    """Splits come from shapes only: two CTAs an SM in one wave, >= 512 keys a split; none when
+    the 128-row grid already fills the GPU, for fp32 or head_dim 256. On an H100's 132 SMs."""
+    splits = torch.ops.pagedkv.paged_prefill_num_splits
+    bf16 = torch.bfloat16
+    # (T, B, max_query_len, Hq, Hkv, D, dtype, max_tokens) -> splits
+    assert splits(512, 1, 512, 32, 8, 128, bf16, 8192, H100_SMS) == 2  # 128 CTAs of 128 rows
+    assert splits(128, 1, 128, 32, 8, 128, bf16, 8192, H100_SMS) == 7  # 40 CTAs counted, 32 work
+    assert splits(128, 1, 128, 32, 8, 128, bf16, 2048, H100_SMS) == 4  # keys bound it
+    assert splits(2048, 1, 2048, 32, 8, 128, bf16, 2048, H100_SMS) == 1  # 512 CTAs
+    assert splits(128, 1, 128, 32, 8, 128, torch.float32, 8192, H100_SMS) == 1
+    assert splits(128, 1, 128, 32, 8, 256, bf16, 8192, H100_SMS) == 1
+    assert splits(128, 1, 128, 32, 8, 128, bf16, 1023, H100_SMS) == 1  # < 2 x 512 keys
+    floats = torch.ops.pagedkv.paged_prefill_workspace_floats
+    assert floats(512, 32, 128, 2) == 2 * 512 * 32 * 130 and floats(512, 32, 128, 1) == 0
+
+
+SPLIT_CASES = list(itertools.product([torch.float16, torch.bfloat16], [64, 128],
+                                     [(8, 2), (32, 8), (14, 2), (64, 2)], [16, 128]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, head_dim, heads, block_size", SPLIT_CASES)
+def test_split_keys(dtype, head_dim, heads, block_size):
+    """Few new tokens over long contexts, so the launch splits each tile's keys (asserted): a
+    short turn after a long conversation, a chunk starting mid-block, decode-like tokens, a
+    sequence shorter than one split, no new tokens, a padding row."""
+    seqs = [(16, 3000), (1, 2500), (40, 1540), (1, 37), (0, 100), (3, 700), (1, 0)]
+    batch = make_batch(seqs, *heads, head_dim, block_size, dtype, "cuda")
+    rest = (batch["q"], batch["k_cache"], batch["block_tables"], max(n for n, _ in seqs))
+    assert ops.paged_prefill_num_splits(*rest) > 1
+    run_and_check(batch)
+
+
+@pytest.mark.cuda
+def test_split_workspace_is_checked_and_reused():
+    """A missing or short workspace is refused with what to allocate; one workspace serves
+    several calls (the layers of a forward) and a CUDA graph's replays."""
+    seqs = [(16, 3000), (1, 1200)]
+    batch = make_batch(seqs, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    args = [batch[k] for k in ("q", "k_cache", "v_cache", "block_tables", "context_lens", "query_start_loc")]
+    workspace = ops.paged_prefill_workspace(batch["q"], batch["k_cache"], batch["block_tables"], 16)
+    assert workspace is not None
+    out = torch.empty_like(batch["q"])
+    with pytest.raises(RuntimeError, match=r"needs a workspace of \d+ floats, got none; allocate it "
+                                           r"with pagedkv.ops.paged_prefill_workspace"):
+        torch.ops.pagedkv.paged_prefill_attention(out, *args, 0.125, 16)
+    with pytest.raises(RuntimeError, match=r"needs a workspace of \d+ floats, got 7"):
+        torch.ops.pagedkv.paged_prefill_attention(out, *args, 0.125, 16, workspace[:7])
+    with pytest.raises(RuntimeError, match=r"workspace has dtype Half; allowed: torch.float32"):
+        torch.ops.pagedkv.paged_prefill_attention(out, *args, 0.125, 16, workspace.half())
+
+    scale = 128**-0.5
+    want = reference_paged_prefill(*args, scale, dtype=torch.float64)
+    baseline = reference_paged_prefill(*args, scale, dtype=torch.bfloat16)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        ops.paged_prefill_attention(*args, scale, 16, out=out, workspace=workspace)
+        assert_close_to_baseline(out, baseline=baseline, reference=want)
+
+    graph = torch.cuda.CUDAGraph()
+    ops.paged_prefill_attention(*args, scale, 16, out=out, workspace=workspace)  # warm-up
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        ops.paged_prefill_attention(*args, scale, 16, out=out, workspace=workspace)
+    batch["q"].copy_(torch.randn_like(batch["q"]))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_baseline(out, baseline=reference_paged_prefill(*args, scale, dtype=torch.bfloat16),
+                             reference=reference_paged_prefill(*args, scale, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_workspace_of_the_wrong_kind_is_refused(device):
+    """The CPU needs no workspace, but a passed one is checked as on CUDA."""
+    batch = make_batch([(5, 5), (3, 40)], 4, 2, 64, 8, torch.float16, device)
+    args = list(batch.values())
+    with pytest.raises(RuntimeError, match=r"workspace has dtype Half; allowed: torch.float32"):
+        ops.paged_prefill_attention(*args, 0.125, 5, workspace=torch.zeros(8, dtype=torch.half, device=device))

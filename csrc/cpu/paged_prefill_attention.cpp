@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cpu/table_checks.h"
+#include "kernels/paged_prefill_plan.h"
 #include "prefill_checks.h"
 
 namespace pagedkv {
@@ -128,13 +129,15 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 
 }  // namespace
 
+// workspace is the CUDA path's (its key splits); the CPU checks it and does not need it.
 void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                                  const at::Tensor& context_lens,
                                  const at::Tensor& query_start_loc, double scale,
-                                 int64_t max_query_len) {
+                                 int64_t max_query_len,
+                                 const std::optional<at::Tensor>& workspace) {
   check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                           max_query_len);
+                           max_query_len, workspace);
   check_metadata(block_tables, context_lens, query_start_loc, q.size(0), max_query_len,
                  k_cache.size(1), k_cache.size(0));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_prefill_attention_cpu", [&] {
@@ -145,6 +148,26 @@ void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& q, const at:
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("paged_prefill_attention", &paged_prefill_attention_cpu);
+}
+
+// The CUDA path's split rule and workspace size are plain host code, registered for every build
+// and device so callers can size the workspace (and CI can test the rule) without a GPU.
+int64_t paged_prefill_num_splits(int64_t num_tokens, int64_t batch, int64_t max_query_len,
+                                 int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 at::ScalarType dtype, int64_t max_tokens, int64_t num_sms) {
+  return kernels::paged_prefill_num_splits(num_tokens, batch, max_query_len, num_q_heads,
+                                           num_kv_heads, head_dim, c10::elementSize(dtype),
+                                           max_tokens, num_sms);
+}
+
+int64_t paged_prefill_workspace_floats(int64_t num_tokens, int64_t num_q_heads, int64_t head_dim,
+                                       int64_t num_splits) {
+  return kernels::paged_prefill_workspace_floats(num_tokens, num_q_heads, head_dim, num_splits);
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CompositeExplicitAutograd, m) {
+  m.impl("paged_prefill_num_splits", &paged_prefill_num_splits);
+  m.impl("paged_prefill_workspace_floats", &paged_prefill_workspace_floats);
 }
 
 }  // namespace pagedkv

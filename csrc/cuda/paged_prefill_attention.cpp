@@ -2,6 +2,7 @@
 // stream. The kernel lives in csrc/kernels/paged_prefill_attention.cu. The metadata (tables,
 // lengths, query_start_loc) stays on the device unread: no synchronisation, graph-capturable.
 #include <cuda_runtime_api.h>
+#include <string>
 #include <torch/library.h>
 
 #include "cuda/paged_attention_args.h"
@@ -14,9 +15,10 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens,
                                   const at::Tensor& query_start_loc, double scale,
-                                  int64_t max_query_len) {
+                                  int64_t max_query_len,
+                                  const std::optional<at::Tensor>& workspace) {
   check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                           max_query_len);
+                           max_query_len, workspace);
   check_cuda(q, "q");
   if (q.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
@@ -27,6 +29,20 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
   args.num_tokens = static_cast<int>(q.size(0));
   args.max_query_len = static_cast<int>(max_query_len);
   args.num_sms = sm_count(q.device().index());
+  const int64_t splits = kernels::paged_prefill_num_splits(
+      q.size(0), block_tables.size(0), max_query_len, q.size(1), k_cache.size(2), q.size(2),
+      q.element_size(), block_tables.size(1) * k_cache.size(1), args.num_sms);
+  const int64_t needed =
+      kernels::paged_prefill_workspace_floats(q.size(0), q.size(1), q.size(2), splits);
+  const int64_t given = workspace.has_value() ? workspace->numel() : 0;
+  TORCH_CHECK(given >= needed, "pagedkv: paged_prefill_attention splits these shapes' keys ",
+              splits, " ways and needs a workspace of ", needed, " floats, got ",
+              workspace.has_value() ? std::to_string(given) : std::string("none"),
+              "; allocate it with pagedkv.ops.paged_prefill_workspace(q, k_cache, block_tables, "
+              "max_query_len)");
+  TORCH_CHECK(needed == 0 || aligned16(workspace->const_data_ptr()),
+              "pagedkv: workspace must start at a 16-byte boundary");
+  args.workspace = needed > 0 ? workspace->data_ptr<float>() : nullptr;
   C10_CUDA_CHECK(kernels::paged_prefill_attention(args, kernel_dtype(q),
                                                   c10::cuda::getCurrentCUDAStream()));
 }

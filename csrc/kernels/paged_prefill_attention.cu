@@ -5,11 +5,15 @@
 // bf16/fp16 run on tensor cores (paged_prefill_mma.cuh), fp32 on CUDA cores
 // (paged_prefill_simt.cuh). The grid follows the batch's tokens (flat tiles, see cta_work), and
 // tiles are ordered latest first (they have the most keys), so the long CTAs start first.
+// A batch of few new tokens over a long context gives few CTAs that each walk the whole context:
+// there the keys of each 128-row CTA are split over several CTAs (paged_prefill_num_splits, from
+// shapes only), whose partials a second launch merges (paged_prefill_merge.cuh).
 #include <algorithm>
 #include <cstdint>
 
 #include "kernels/paged_prefill_attention.h"
 #include "kernels/paged_prefill_common.cuh"
+#include "kernels/paged_prefill_merge.cuh"
 #include "kernels/paged_prefill_mma.cuh"
 #include "kernels/paged_prefill_simt.cuh"
 
@@ -39,19 +43,19 @@ cudaError_t launch_kernel(Kernel kernel, int threads, int smem, const PagedPrefi
 
 // The plan of a kernel whose CTAs hold `rows` (token, query head) rows; false where the grid
 // would pass 2^31 - 1 CTAs.
+// The plan of a kernel whose CTAs hold `rows` (token, query head) rows, unsplit; false where the
+// grid would pass 2^31 - 1 CTAs.
 bool make_plan(const PagedPrefillArgs& a, int rows, Plan& plan, int64_t& ctas) {
-  plan.group_size = a.num_q_heads / a.num_kv_heads;
-  plan.head_chunks = (plan.group_size + prefill::kMaxChunkHeads - 1) / prefill::kMaxChunkHeads;
-  plan.chunk_heads = (plan.group_size + plan.head_chunks - 1) / plan.head_chunks;
+  const PrefillHeadGroups g = prefill_head_groups(a.num_q_heads, a.num_kv_heads);
+  plan.group_size = g.group_size;
+  plan.head_chunks = g.chunks;
+  plan.chunk_heads = g.chunk_heads;
   plan.tokens_per_tile = rows / plan.chunk_heads;
-  // Flat tiles (cta_work): at most num_tokens / tokens_per_tile + batch in all, and at most
-  // ceil(max_query_len / tokens_per_tile) + 1 per sequence; whichever bound is smaller.
-  const int64_t by_tokens = a.num_tokens / plan.tokens_per_tile + a.batch;
-  const int64_t by_length =
-      static_cast<int64_t>(a.batch) * ((a.max_query_len + plan.tokens_per_tile - 1) / plan.tokens_per_tile + 1);
-  const int64_t tiles = std::min(by_tokens, by_length);
+  const int64_t tiles = prefill_tiles(a.num_tokens, a.batch, a.max_query_len, plan.tokens_per_tile);
   plan.block_shift = log2_exact(a.block_size);
   plan.max_tokens = a.max_blocks * a.block_size;
+  plan.splits = 1;
+  plan.keys_per_split = plan.max_tokens;
   ctas = tiles * a.num_kv_heads * plan.head_chunks;
   if (ctas > 0x7fffffff) return false;
   plan.tiles = static_cast<int>(tiles);  // <= ctas
@@ -66,10 +70,24 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
     // 128-row CTAs read each K/V tile for twice the rows, where the grid still gives every SM
     // its two CTAs (1x512/8192's 128 CTAs of 128 rows ran 1.4x slower than its 256 of 64).
     if constexpr (D <= 128) {
+      static_assert(prefill::mma::rows<2>() == kPrefillSplitRows && prefill::mma::keys<D>() % kPrefillSplitKeyTile == 0);
       if (!make_plan(a, prefill::mma::rows<2>(), plan, ctas)) return cudaErrorInvalidConfiguration;
+      const auto kernel = prefill::paged_prefill_mma_kernel<T, D, 2>;
+      constexpr int smem = prefill::mma::smem_bytes<T, D, 2>();
       if (ctas >= static_cast<int64_t>(prefill::mma::kCtasPerSm) * a.num_sms) {
-        return launch_kernel(prefill::paged_prefill_mma_kernel<T, D, 2>, prefill::mma::kThreads,
-                             prefill::mma::smem_bytes<T, D, 2>(), a, plan, ctas, stream);
+        return launch_kernel(kernel, prefill::mma::kThreads, smem, a, plan, ctas, stream);
+      }
+      const int64_t splits = paged_prefill_num_splits(a.num_tokens, a.batch, a.max_query_len,
+                                                      a.num_q_heads, a.num_kv_heads, D, sizeof(T),
+                                                      plan.max_tokens, a.num_sms);
+      if (splits > 1) {
+        if (a.workspace == nullptr) return cudaErrorInvalidValue;
+        plan.splits = static_cast<int>(splits);
+        plan.keys_per_split = static_cast<int>(paged_prefill_keys_per_split(plan.max_tokens, splits));
+        const cudaError_t err = launch_kernel(kernel, prefill::mma::kThreads, smem, a, plan, ctas * splits, stream);
+        if (err != cudaSuccess) return err;
+        return launch_kernel(prefill::paged_prefill_merge_kernel<T, D>, prefill::kMergeThreads, 0, a, plan,
+                             ctas, stream);
       }
     }
     if (!make_plan(a, prefill::mma::rows<1>(), plan, ctas)) return cudaErrorInvalidConfiguration;

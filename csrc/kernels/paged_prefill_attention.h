@@ -10,6 +10,7 @@
 
 #include "kernels/dtype.h"
 #include "kernels/paged_attention_args.h"
+#include "kernels/paged_prefill_plan.h"
 
 namespace pagedkv::kernels {
 
@@ -18,6 +19,9 @@ struct PagedPrefillArgs : PagedAttentionArgs {  // rows = new tokens; context_le
   int num_tokens;              // rows of q; query_start_loc[batch] <= num_tokens
   int max_query_len;           // host upper bound of qsl[b+1] - qsl[b] (with num_tokens, sizes the grid)
   int num_sms;                 // the device's SM count: how many rows a CTA takes
+  // paged_prefill_workspace_floats(num_tokens, num_q_heads, head_dim, paged_prefill_num_splits(...))
+  // floats (paged_prefill_plan.h), 16-byte aligned; unused (may be null) when that is 0.
+  float* workspace;
 };
 
 // head_dim in {64, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a multiple

@@ -9,10 +9,10 @@
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/paged_prefill_attention.h"
+#include "kernels/paged_prefill_plan.h"
 
 namespace pagedkv::kernels::prefill {
 
-constexpr int kMaxChunkHeads = 16;  // larger groups are cut into chunks: >= 4 tokens a tile of 64 rows
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegBig = -1e30f;   // "no key yet": finite, so exp2f(kNegBig - x) is 0, not NaN
 
@@ -31,22 +31,32 @@ struct Plan {
   int tiles;            // query tiles of the whole batch (see cta_work)
   int block_shift;      // log2(block_size)
   int max_tokens;       // max_blocks * block_size: context_lens are clamped to it
+  int splits;           // CTAs that split one query tile's keys (paged_prefill_num_splits)
+  int keys_per_split;   // a multiple of the K/V tile (paged_prefill_keys_per_split)
 };
 
 struct Work {
   int b, kv_head, first, q_len, tok0, head0, heads, rows;
-  int pos0;    // position of the tile's first token (< 0: rows before the context, zeros)
-  int kv_end;  // keys 0 .. kv_end - 1 are read
+  int pos0;       // position of the tile's first token (< 0: rows before the context, zeros)
+  int key_begin;  // keys key_begin .. kv_end - 1 are read: the CTA's split of the tile's keys
+  int kv_end;
 };
 
 // The batch's query tiles are numbered flat: sequence b's tiles start at
 // start(b) = qsl[b] / tokens_per_tile - qsl[0] / tokens_per_tile + b (monotonic in b; at least
 // ceil(q_len_b / tokens_per_tile) of them before start(b + 1)), so the grid follows the batch's
 // tokens, not batch x max_query_len, and a CTA finds its sequence by binary search.
-// blockIdx.x = (kv_head * head_chunks + chunk) * tiles + (tiles - 1 - flat tile): the latest
-// (longest) tiles go first. False (the whole CTA returns) for a tile past its sequence's tokens.
+// blockIdx.x = (split * num_kv_heads * head_chunks + kv_head * head_chunks + chunk) * tiles +
+// (tiles - 1 - flat tile): the latest (longest) tiles go first, and CTAs running side by side
+// read the same keys (one split). False (the whole CTA returns) for a tile past its sequence's
+// tokens, or a split past the tile's keys. (The split merge runs one split's grid with a plan of
+// splits = 1: w.kv_end is then the tile's whole key range.)
+__device__ __forceinline__ int cta_split(const PagedPrefillArgs& a, const Plan& plan) {
+  return blockIdx.x / (plan.tiles * a.num_kv_heads * plan.head_chunks);
+}
 __device__ __forceinline__ bool cta_work(const PagedPrefillArgs& a, const Plan& plan, Work& w) {
-  int idx = blockIdx.x;
+  const int split = cta_split(a, plan);
+  int idx = blockIdx.x % (plan.tiles * a.num_kv_heads * plan.head_chunks);
   const int flat = plan.tiles - 1 - idx % plan.tiles;
   idx /= plan.tiles;
   const int chunk = idx % plan.head_chunks;
@@ -71,6 +81,13 @@ __device__ __forceinline__ bool cta_work(const PagedPrefillArgs& a, const Plan& 
   w.rows = tokens * w.heads;
   w.pos0 = ctx - w.q_len + w.tok0;
   w.kv_end = max(0, min(ctx, w.pos0 + tokens));
+  if (plan.splits > 1) {
+    w.key_begin = split * plan.keys_per_split;
+    w.kv_end = min(w.kv_end, w.key_begin + plan.keys_per_split);
+    if (split > 0 && w.key_begin >= w.kv_end) return false;
+  } else {
+    w.key_begin = 0;
+  }
   return true;
 }
 
@@ -148,6 +165,22 @@ template <typename T>
 __device__ __forceinline__ T* output_row(const PagedPrefillArgs& a, const Work& w, int r) {
   return static_cast<T*>(a.out) + (w.first + w.tok0 + r / w.heads) * a.out_stride_row +
          (w.head0 + r % w.heads) * a.out_stride_h;
+}
+
+// Where row r of a split CTA leaves its partial in the workspace: [splits][num_tokens][num_q_heads]
+// unnormalized outputs [head_dim], then as many (max, sum) pairs (log2 units; sum 0: no key seen).
+struct SplitRow {
+  float* out;     // [head_dim]
+  float2* stats;  // (max, sum)
+};
+__device__ __forceinline__ SplitRow split_row(const PagedPrefillArgs& a, const Plan& plan,
+                                              const Work& w, int r, int split) {
+  const int64_t rows_per_split = static_cast<int64_t>(a.num_tokens) * a.num_q_heads;
+  const int64_t row = split * rows_per_split +
+                      static_cast<int64_t>(w.first + w.tok0 + r / w.heads) * a.num_q_heads +
+                      w.head0 + r % w.heads;
+  float2* stats = reinterpret_cast<float2*>(a.workspace + plan.splits * rows_per_split * a.head_dim);
+  return {a.workspace + row * a.head_dim, stats + row};
 }
 
 // Max / sum over `width` consecutive lanes (a power of two <= 32).

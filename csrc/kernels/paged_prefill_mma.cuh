@@ -8,6 +8,8 @@
 //   shared-memory round trip); V fragments by ldmatrix.trans.
 // K/V tiles are double-buffered: tile j + 1's cp.asyncs are issued before tile j is computed,
 // K's and V's together from one table read and address per 16-byte piece (load_kv_tiles).
+// With plan.splits > 1 a CTA walks one split of its tile's keys and leaves each row's
+// unnormalized output and (max, sum) in the workspace for paged_prefill_merge_kernel.
 // (Fragment layouts: kernels/mma.cuh.)
 #pragma once
 #include "kernels/paged_prefill_common.cuh"
@@ -59,10 +61,10 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
 
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
-  const int num_tiles = (w.kv_end + kKeys - 1) / kKeys;
+  const int num_tiles = (w.kv_end - w.key_begin + kKeys - 1) / kKeys;
   load_q_tile<T, D, kRows, kThreads>(s_q, a, w);
   if (num_tiles > 0) {
-    load_kv_tiles<T, D, kKeys, kThreads>(s_k, s_v, k_cache, v_cache, 0, a, plan, w);
+    load_kv_tiles<T, D, kKeys, kThreads>(s_k, s_v, k_cache, v_cache, w.key_begin, a, plan, w);
   }
   cp_async_commit();  // group: Q and K/V tile 0
 
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
   }
 
   for (int kt = 0; kt < num_tiles; ++kt) {
-    const int key0 = kt * kKeys;
+    const int key0 = w.key_begin + kt * kKeys;
     const int stage = kt % kStages;
     // Tile kt + 1 into the other stage, which the previous iteration's last barrier freed.
     if (kt + 1 < num_tiles) {
@@ -214,6 +216,16 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
       const int r = warp * 16 * kM + 16 * mt + g + 8 * i;
       const float total = lanes_sum<4>(l[mt][i]);
       if (r >= w.rows) continue;
+      if (plan.splits > 1) {
+        const SplitRow part = split_row(a, plan, w, r, cta_split(a, plan));
+#pragma unroll
+        for (int n = 0; n < kDimTiles; ++n) {
+          *reinterpret_cast<float2*>(part.out + 8 * n + 2 * t) =
+              make_float2(o[mt][n][2 * i], o[mt][n][2 * i + 1]);
+        }
+        if (t == 0) *part.stats = make_float2(m[mt][i], total);
+        continue;
+      }
       const float inv = total > 0.f ? 1.f / total : 0.f;  // a row before position 0: zeros
       T* dst = output_row<T>(a, w, r);
 #pragma unroll

@@ -290,6 +290,32 @@ def _advance_decode_rows_fake(next_tokens, tokens, positions, context_lens, gene
 # --- paged prefill attention --------------------------------------------------------------------
 
 
+def paged_prefill_num_splits(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, max_query_len: int
+) -> int:
+    """How many splits of each query tile's keys ``paged_prefill_attention`` uses on q's device:
+    chosen from shapes and the SM count only (a batch of few new tokens over a long context
+    splits, so that every SM has work). 1 on the CPU, which never splits."""
+    if q.device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return _ops.paged_prefill_num_splits(
+        q.shape[0], block_tables.shape[0], max_query_len, q.shape[1], k_cache.shape[2], q.shape[2],
+        q.dtype, block_tables.shape[1] * k_cache.shape[1], num_sms,
+    )
+
+
+def paged_prefill_workspace(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, max_query_len: int
+) -> torch.Tensor | None:
+    """The fp32 workspace ``paged_prefill_attention`` needs for these shapes (its key splits'
+    partial outputs), or None when it does not split them. Allocate it once per forward and pass
+    it to every layer's call: the op allocates nothing itself when given one."""
+    splits = paged_prefill_num_splits(q, k_cache, block_tables, max_query_len)
+    numel = _ops.paged_prefill_workspace_floats(q.shape[0], q.shape[1], q.shape[2], splits)
+    return torch.empty(numel, dtype=torch.float32, device=q.device) if numel else None
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -300,6 +326,7 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of new tokens (prefill chunks of several sequences) over
     a paged KV cache that already holds them.
@@ -319,18 +346,24 @@ def paged_prefill_attention(
     query_start_loc: [B + 1] int32, non-decreasing.
     max_query_len: host int >= every q_len_b; with T it bounds the CUDA grid without reading the
     device (the CPU raises if a sequence has more rows; on CUDA such rows may stay unwritten).
-    out: like q, or None to allocate one. Returns out.
+    out: like q, or None to allocate one. workspace: from ``paged_prefill_workspace`` when
+    ``paged_prefill_num_splits`` > 1 (on CUDA allocated here if None; under torch.compile or in
+    a CUDA graph pass one in). Returns out.
     """
     if out is None:
         out = torch.empty_like(q)
+    if workspace is None and q.device.type == "cuda":  # the CPU never splits
+        workspace = paged_prefill_workspace(q, k_cache, block_tables, max_query_len)
     _ops.paged_prefill_attention(
-        out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len
+        out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len,
+        workspace,
     )
     return out
 
 
 @torch.library.register_fake("pagedkv::paged_prefill_attention")
 def _paged_prefill_attention_fake(
-    out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len
+    out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len,
+    workspace=None,
 ) -> None:
     return None

@@ -139,7 +139,9 @@ class PagedDecoder:
         w = self.w
         num_tokens = input_ids.shape[0]
         q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
-        workspace = None  # decode attention's split workspace: zeroed once, shared by the layers
+        # Attention's split workspace (decode's, zeroed once; or mixed steps' prefill one), shared
+        # by the layers: allocated at the first layer, when q's shape is known.
+        workspace = None
         residual = F.embedding(input_ids, w.embed)  # [T, D]
         hidden = ops.rms_norm(residual, w.layers[0].input_norm, w.eps)
         for i, layer in enumerate(w.layers):
@@ -152,7 +154,10 @@ class PagedDecoder:
             ops.rope_and_write_kv(q, k, v, meta.positions, self.cos_sin_cache, self.k_caches[i],
                                   self.v_caches[i], meta.slot_mapping, q_norm_weight=layer.q_norm,
                                   k_norm_weight=layer.k_norm, epsilon=w.eps)
-            if workspace is None and meta.query_start_loc is None and meta.prefill_lens is None:
+            if i == 0 and meta.query_start_loc is not None:
+                workspace = ops.paged_prefill_workspace(q, self.k_caches[i], meta.block_tables,
+                                                        meta.max_query_len)
+            elif i == 0 and meta.prefill_lens is None:
                 workspace = ops.paged_decode_workspace(q, self.k_caches[i], meta.block_tables)
             attn = self._attention(i, q, k, v, meta, workspace)  # [T, Hq, Dh]
             hidden = ops.linear(attn.view(num_tokens, q_size), layer.o)
@@ -170,7 +175,7 @@ class PagedDecoder:
             return ops.paged_prefill_attention(q, self.k_caches[layer], self.v_caches[layer],
                                                meta.block_tables, meta.context_lens,
                                                meta.query_start_loc, self.w.scale,
-                                               meta.max_query_len)
+                                               meta.max_query_len, workspace=workspace)
         if meta.prefill_lens is None:
             return ops.paged_decode_attention(q, self.k_caches[layer], self.v_caches[layer],
                                               meta.block_tables, meta.context_lens, self.w.scale,
