@@ -157,10 +157,11 @@ def bench_point(batch: int, context: int, device: str, table_order: str = "shuff
     # The prefill kernel on the same batch: each sequence's one new token is row b of q.
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
     prefill_out = torch.empty_like(q)
+    prefill_workspace = ops.paged_prefill_workspace(q, caches[0][0], table, 1)  # key splits at batch 1
 
     def pagedkv_prefill(k_cache, v_cache):
         ops.paged_prefill_attention(q, k_cache, v_cache, table, lens, query_start_loc, scale,
-                                    max_query_len=1, out=prefill_out)
+                                    max_query_len=1, out=prefill_out, workspace=prefill_workspace)
 
     pagedkv_prefill(*caches[0])
     row["max_diff_prefill"] = (prefill_out.float() - expected.float()).abs().max().item()
