@@ -41,8 +41,6 @@ cudaError_t launch_kernel(Kernel kernel, int threads, int smem, const PagedPrefi
   return cudaGetLastError();
 }
 
-// The plan of a kernel whose CTAs hold `rows` (token, query head) rows; false where the grid
-// would pass 2^31 - 1 CTAs.
 // The plan of a kernel whose CTAs hold `rows` (token, query head) rows, unsplit; false where the
 // grid would pass 2^31 - 1 CTAs.
 bool make_plan(const PagedPrefillArgs& a, int rows, Plan& plan, int64_t& ctas) {
@@ -68,9 +66,12 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
   int64_t ctas = 0;
   if constexpr (sizeof(T) == 2) {
     // 128-row CTAs read each K/V tile for twice the rows, where the grid still gives every SM
-    // its two CTAs (1x512/8192's 128 CTAs of 128 rows ran 1.4x slower than its 256 of 64).
+    // its two CTAs; where it does not, split over the keys when the context is long enough
+    // (1x512/8192: 2 splits of 128 rows ran 1.21x faster than 256 CTAs of 64, which ran 1.4x
+    // faster than 128 unsplit CTAs of 128), else 64-row CTAs.
     if constexpr (D <= 128) {
-      static_assert(prefill::mma::rows<2>() == kPrefillSplitRows && prefill::mma::keys<D>() % kPrefillSplitKeyTile == 0);
+      static_assert(prefill::mma::rows<2>() == kPrefillSplitRows &&
+                    prefill::mma::keys<D>() % kPrefillSplitKeyTile == 0, "paged_prefill_plan.h's split shapes");
       if (!make_plan(a, prefill::mma::rows<2>(), plan, ctas)) return cudaErrorInvalidConfiguration;
       const auto kernel = prefill::paged_prefill_mma_kernel<T, D, 2>;
       constexpr int smem = prefill::mma::smem_bytes<T, D, 2>();
@@ -84,10 +85,11 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
         if (a.workspace == nullptr) return cudaErrorInvalidValue;
         plan.splits = static_cast<int>(splits);
         plan.keys_per_split = static_cast<int>(paged_prefill_keys_per_split(plan.max_tokens, splits));
-        const cudaError_t err = launch_kernel(kernel, prefill::mma::kThreads, smem, a, plan, ctas * splits, stream);
+        const cudaError_t err =
+            launch_kernel(kernel, prefill::mma::kThreads, smem, a, plan, ctas * splits, stream);
         if (err != cudaSuccess) return err;
-        return launch_kernel(prefill::paged_prefill_merge_kernel<T, D>, prefill::kMergeThreads, 0, a, plan,
-                             ctas, stream);
+        return launch_kernel(prefill::paged_prefill_merge_kernel<T, D>, prefill::kMergeThreads, 0,
+                             a, plan, ctas, stream);
       }
     }
     if (!make_plan(a, prefill::mma::rows<1>(), plan, ctas)) return cudaErrorInvalidConfiguration;
