@@ -79,6 +79,15 @@ inline void check_paged_kv_args(const at::Tensor& out, const at::Tensor& q,
   check_contiguous(context_lens, "context_lens");
 }
 
+// An attention op's split workspace: fp32, contiguous, on q's device (its size is checked by the
+// CUDA launcher, which knows the split count).
+inline void check_workspace(const at::Tensor& workspace, const at::Tensor& q) {
+  check_same_device(workspace, q, "workspace", "q");
+  TORCH_CHECK(workspace.scalar_type() == at::kFloat, "pagedkv: workspace has dtype ",
+              workspace.scalar_type(), "; allowed: torch.float32");
+  check_contiguous(workspace, "workspace");
+}
+
 // paged_decode_attention: one query row per sequence (q: [B, Hq, D]); workspace: fp32 (size
 // checked by the CUDA launcher, which knows the split count).
 inline void check_paged_decode_args(const at::Tensor& out, const at::Tensor& q,
@@ -89,10 +98,7 @@ inline void check_paged_decode_args(const at::Tensor& out, const at::Tensor& q,
   TORCH_CHECK(q.dim() == 3, "pagedkv: q must have shape [batch, num_q_heads, head_dim], got ",
               q.sizes());
   check_paged_kv_args(out, q, k_cache, v_cache, block_tables, context_lens, "batch", q.size(0));
-  check_same_device(workspace, q, "workspace", "q");
-  TORCH_CHECK(workspace.scalar_type() == at::kFloat, "pagedkv: workspace has dtype ",
-              workspace.scalar_type(), "; allowed: torch.float32");
-  check_contiguous(workspace, "workspace");
+  check_workspace(workspace, q);
   TORCH_CHECK(num_splits >= 0 && num_splits <= 65536, "pagedkv: num_splits is ", num_splits,
               "; allowed: 0 (automatic) or 1..65536");
 }

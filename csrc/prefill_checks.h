@@ -30,12 +30,7 @@ inline void check_paged_prefill_args(const at::Tensor& out, const at::Tensor& q,
   TORCH_CHECK(max_query_len >= 0 && max_query_len <= INT32_MAX, "pagedkv: max_query_len is ",
               max_query_len, "; allowed: 0 to 2^31 - 1 (an upper bound of every sequence's "
               "query_start_loc[b + 1] - query_start_loc[b])");
-  if (workspace.has_value()) {
-    check_same_device(*workspace, q, "workspace", "q");
-    TORCH_CHECK(workspace->scalar_type() == at::kFloat, "pagedkv: workspace has dtype ",
-                workspace->scalar_type(), "; allowed: torch.float32");
-    check_contiguous(*workspace, "workspace");
-  }
+  if (workspace.has_value()) check_workspace(*workspace, q);
 }
 
 }  // namespace pagedkv

@@ -39,10 +39,7 @@ void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at:
   TORCH_CHECK(workspace.numel() >= needed, "pagedkv: workspace has ", workspace.numel(),
               " floats but ", num_splits, " splits need ", needed,
               "; allocate it with pagedkv.ops.paged_decode_workspace(q, k_cache, block_tables)");
-  TORCH_CHECK(needed == 0 || aligned16(workspace.const_data_ptr()),
-              "pagedkv: workspace must start at a 16-byte boundary");
-
-  args.workspace = needed > 0 ? workspace.data_ptr<float>() : nullptr;
+  args.workspace = workspace_data(workspace, needed);
   args.num_splits = static_cast<int>(num_splits);
   args.num_sms = num_sms;
   C10_CUDA_CHECK(kernels::paged_decode_attention(args, kernel_dtype(q),

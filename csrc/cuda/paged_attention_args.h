@@ -47,4 +47,13 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
   args.scale = static_cast<float>(scale);
 }
 
+// The kernels' view of a split workspace whose size the launcher has checked: null when the
+// launch needs none, else its data, which the kernels read as float2/float4.
+inline float* workspace_data(const at::Tensor& workspace, int64_t needed) {
+  if (needed == 0) return nullptr;
+  TORCH_CHECK(aligned16(workspace.const_data_ptr()),
+              "pagedkv: workspace must start at a 16-byte boundary");
+  return workspace.data_ptr<float>();
+}
+
 }  // namespace pagedkv

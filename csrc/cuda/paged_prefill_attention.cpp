@@ -40,9 +40,8 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
               workspace.has_value() ? std::to_string(given) : std::string("none"),
               "; allocate it with pagedkv.ops.paged_prefill_workspace(q, k_cache, block_tables, "
               "max_query_len)");
-  TORCH_CHECK(needed == 0 || aligned16(workspace->const_data_ptr()),
-              "pagedkv: workspace must start at a 16-byte boundary");
-  args.workspace = needed > 0 ? workspace->data_ptr<float>() : nullptr;
+  args.num_splits = static_cast<int>(splits);
+  args.workspace = needed > 0 ? workspace_data(*workspace, needed) : nullptr;
   C10_CUDA_CHECK(kernels::paged_prefill_attention(args, kernel_dtype(q),
                                                   c10::cuda::getCurrentCUDAStream()));
 }

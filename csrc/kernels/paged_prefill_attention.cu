@@ -6,8 +6,9 @@
 // (paged_prefill_simt.cuh). The grid follows the batch's tokens (flat tiles, see cta_work), and
 // tiles are ordered latest first (they have the most keys), so the long CTAs start first.
 // A batch of few new tokens over a long context gives few CTAs that each walk the whole context:
-// there the keys of each 128-row CTA are split over several CTAs (paged_prefill_num_splits, from
-// shapes only), whose partials a second launch merges (paged_prefill_merge.cuh).
+// there the keys of each 128-row CTA are split over several CTAs (args.num_splits, which the caller
+// takes from paged_prefill_num_splits to size the workspace), whose partials a second launch
+// merges (paged_prefill_merge.cuh).
 #include <algorithm>
 #include <cstdint>
 
@@ -62,6 +63,7 @@ bool make_plan(const PagedPrefillArgs& a, int rows, Plan& plan, int64_t& ctas) {
 
 template <typename T, int D>
 cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
+  if (a.num_splits > 1 && !prefill_can_split(D, sizeof(T))) return cudaErrorInvalidValue;
   Plan plan;
   int64_t ctas = 0;
   if constexpr (sizeof(T) == 2) {
@@ -75,21 +77,20 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
       if (!make_plan(a, prefill::mma::rows<2>(), plan, ctas)) return cudaErrorInvalidConfiguration;
       const auto kernel = prefill::paged_prefill_mma_kernel<T, D, 2>;
       constexpr int smem = prefill::mma::smem_bytes<T, D, 2>();
-      if (ctas >= static_cast<int64_t>(prefill::mma::kCtasPerSm) * a.num_sms) {
-        return launch_kernel(kernel, prefill::mma::kThreads, smem, a, plan, ctas, stream);
-      }
-      const int64_t splits = paged_prefill_num_splits(a.num_tokens, a.batch, a.max_query_len,
-                                                      a.num_q_heads, a.num_kv_heads, D, sizeof(T),
-                                                      plan.max_tokens, a.num_sms);
-      if (splits > 1) {
+      if (a.num_splits > 1) {
         if (a.workspace == nullptr) return cudaErrorInvalidValue;
-        plan.splits = static_cast<int>(splits);
-        plan.keys_per_split = static_cast<int>(paged_prefill_keys_per_split(plan.max_tokens, splits));
+        if (ctas * a.num_splits > 0x7fffffff) return cudaErrorInvalidConfiguration;
+        plan.splits = a.num_splits;
+        plan.keys_per_split =
+            static_cast<int>(paged_prefill_keys_per_split(plan.max_tokens, a.num_splits));
         const cudaError_t err =
-            launch_kernel(kernel, prefill::mma::kThreads, smem, a, plan, ctas * splits, stream);
+            launch_kernel(kernel, prefill::mma::kThreads, smem, a, plan, ctas * a.num_splits, stream);
         if (err != cudaSuccess) return err;
         return launch_kernel(prefill::paged_prefill_merge_kernel<T, D>, prefill::kMergeThreads, 0,
                              a, plan, ctas, stream);
+      }
+      if (ctas >= static_cast<int64_t>(prefill::mma::kCtasPerSm) * a.num_sms) {
+        return launch_kernel(kernel, prefill::mma::kThreads, smem, a, plan, ctas, stream);
       }
     }
     if (!make_plan(a, prefill::mma::rows<1>(), plan, ctas)) return cudaErrorInvalidConfiguration;
@@ -109,7 +110,7 @@ cudaError_t paged_prefill_attention(const PagedPrefillArgs& a, DType dtype, cuda
     return cudaSuccess;
   }
   if (a.max_query_len < 0 || a.max_blocks < 1 || a.num_kv_heads < 1 ||
-      a.num_q_heads % a.num_kv_heads != 0) {
+      a.num_q_heads % a.num_kv_heads != 0 || a.num_splits < 1) {
     return cudaErrorInvalidValue;
   }
   return dispatch_dtype(dtype, [&](auto tag) {

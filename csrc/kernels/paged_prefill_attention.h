@@ -19,8 +19,11 @@ struct PagedPrefillArgs : PagedAttentionArgs {  // rows = new tokens; context_le
   int num_tokens;              // rows of q; query_start_loc[batch] <= num_tokens
   int max_query_len;           // host upper bound of qsl[b+1] - qsl[b] (with num_tokens, sizes the grid)
   int num_sms;                 // the device's SM count: how many rows a CTA takes
-  // paged_prefill_workspace_floats(num_tokens, num_q_heads, head_dim, paged_prefill_num_splits(...))
-  // floats (paged_prefill_plan.h), 16-byte aligned; unused (may be null) when that is 0.
+  // Splits of each query tile's keys: paged_prefill_num_splits(...) of these shapes
+  // (paged_prefill_plan.h), or 1. With more than 1, `workspace` holds
+  // paged_prefill_workspace_floats(num_tokens, num_q_heads, head_dim, num_splits) floats, 16-byte
+  // aligned; else it is unused (may be null).
+  int num_splits;
   float* workspace;
 };
 

@@ -90,16 +90,20 @@ def _fused_add_rms_norm_fake(input, residual, weight, epsilon) -> None:
 # --- paged decode attention -------------------------------------------------------------------
 
 
+def _num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device: the split rules of both attention ops plan with it."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def paged_decode_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
     """How many splits of each sequence's context ``paged_decode_attention`` uses on q's device
     when ``num_splits=0``: chosen from shapes and the SM count only, never from context_lens.
     1 on the CPU, which never splits."""
     if q.device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     return _ops.paged_decode_num_splits(
-        q.shape[0], q.shape[1], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1], num_sms,
-        q.shape[2], q.dtype,
+        q.shape[0], q.shape[1], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1],
+        _num_sms(q.device), q.shape[2], q.dtype,
     )
 
 
@@ -298,10 +302,9 @@ def paged_prefill_num_splits(
     splits, so that every SM has work). 1 on the CPU, which never splits."""
     if q.device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     return _ops.paged_prefill_num_splits(
         q.shape[0], block_tables.shape[0], max_query_len, q.shape[1], k_cache.shape[2], q.shape[2],
-        q.dtype, block_tables.shape[1] * k_cache.shape[1], num_sms,
+        q.dtype, block_tables.shape[1] * k_cache.shape[1], _num_sms(q.device),
     )
 
 
