@@ -8,6 +8,9 @@ layout below is a view of one allocation and needs no kernel change:
   kv_token            [num_blocks, 16, 2, Hkv, D]: a token's K and V rows adjacent
   kv_block_headmajor  [num_blocks, 2, Hkv, 16, D]
   kv_head             [num_blocks, Hkv, 2, 16, D]: one head's K and V of a block adjacent
+  skew_<bytes>        separate K and V in one allocation, V starting <bytes> after K's end (the
+                      kernel reads a stage's K and V rows together; two tensors of whole 2 MB
+                      pages put them a multiple of 2 MB apart)
 
 Block orders: shuffled (a random permutation of the pool), sorted (the same blocks, each
 sequence's in ascending physical order), sequential (each sequence's blocks one after another).
@@ -54,7 +57,15 @@ def make_caches(layout: str, num_blocks: int) -> tuple[torch.Tensor, torch.Tenso
     if layout == "kv_head":
         kv = randn(h, 2, b, d)
         return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-    raise ValueError(f"unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+    if layout.startswith("skew_"):
+        skew = int(layout.removeprefix("skew_"))
+        elems = num_blocks * b * h * d
+        if skew % 16 or skew < 0:
+            raise ValueError(f"layout {layout!r}: the skew must be a non-negative multiple of 16 bytes")
+        flat = torch.randn(2 * elems + skew // DTYPE.itemsize, dtype=DTYPE, device="cuda")
+        v0 = elems + skew // DTYPE.itemsize
+        return flat[:elems].view(num_blocks, b, h, d), flat[v0:v0 + elems].view(num_blocks, b, h, d)
+    raise ValueError(f"unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}, skew_<bytes>")
 
 
 def time_rotating(calls) -> float:
