@@ -1,14 +1,20 @@
-"""W1: decode steps of a Qwen2.5-7B-shaped model (random bf16 weights), HF generate against
-pagedkv in the same run, for batch 1 / 8 / 32: ms per decode step, tokens/s, % of the roofline
-(weight + KV bytes over measured copy bandwidth), kernel launches per step, speed-up over HF.
+"""W1: decode steps of a Qwen2.5-7B-shaped model (random bf16 weights), HF generate and the
+best compiled PyTorch decoder against pagedkv in the same run, for batch 1 / 8 / 32: ms per
+decode step, tokens/s, % of the roofline (weight + KV bytes over measured copy bandwidth), kernel
+launches per step, speed-up over HF eager and over the compiled decoder.
 
     python benchmarks/bench_generate.py [--out DIR] [--batches 1,8,32] [--hf-static] [--small]
-                                        [--pagedkv-only]
+                                        [--pagedkv-only] [--no-compiled]
+                                        [--compiled-mode reduce-overhead|max-autotune]
 
 Per-step time = (time of generate with 1 + N new tokens - time with 1) / N: prefill excluded.
+The compiled decoder (compiled_decoder.py: gpt-fast's recipe, torch.compile over a static cache,
+mode reduce-overhead unless --compiled-mode says max-autotune; on CUDA only, compiled once per
+batch, 1-2 minutes each) is what BENCHMARKS.md calls the best compiled PyTorch decoder;
+--no-compiled leaves it out. Its greedy tokens and HF eager's are compared with pagedkv's.
 --hf-static adds HF's static cache (auto-compiled; slow to compile). --small uses a 2-layer
 model of the same widths (smoke test, also on CPU). --pagedkv-only leaves HF out (for A/B runs of
-pagedkv changes, scripts/gpu_ab.sh, whose A side has HF's rows; the speed-up column is empty).
+pagedkv changes, scripts/gpu_ab.sh, whose A side has HF's rows; the speed-up columns are empty).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
+from compiled_decoder import StaticCacheDecoder  # noqa: E402
 from timing import copy_bandwidth_gbs  # noqa: E402
 
 import pagedkv  # noqa: E402
@@ -58,6 +65,34 @@ def seconds(fn, device, repeats=3):
     return best
 
 
+class CompiledGenerate:
+    """generate(ids, n) on StaticCacheDecoder, one decoder (fused weights, cache, compiled step)
+    per batch size, the last one freed before the next is built."""
+
+    def __init__(self, model, max_seq: int, mode: str):
+        self.model, self.max_seq, self.mode = model, max_seq, mode
+        self.decoder: StaticCacheDecoder | None = None
+
+    def __call__(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        if self.decoder is None or self.decoder.batch != ids.shape[0]:
+            self.decoder = None
+            torch.cuda.empty_cache()
+            self.decoder = StaticCacheDecoder(self.model, ids.shape[0], self.max_seq, self.mode)
+        return self.decoder.generate(ids, n)
+
+
+def first_differences(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row, the first step whose greedy token differs ([batch, steps] each; steps if none)."""
+    differ = torch.cat([a != b, torch.ones_like(a[:, :1], dtype=torch.bool)], dim=1)
+    return differ.int().argmax(dim=1)
+
+
+def describe_agreement(name: str, steps: torch.Tensor, total: int) -> str:
+    low, high = int(steps.min()), int(steps.max())
+    spread = f"{low}" if low == high else f"{low}-{high} (median {int(steps.median())})"
+    return f"{name}: rows equal to pagedkv's greedy tokens for {spread} of {total} steps"
+
+
 def per_step_ms(generate, ids, device, new=NEW):
     generate(ids, 1 + new)  # warm-up (graphs, compilation, allocator)
     t_long = seconds(lambda: generate(ids, 1 + new), device)
@@ -88,6 +123,9 @@ def main() -> None:
     parser.add_argument("--hf-static", action="store_true")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--pagedkv-only", action="store_true")
+    parser.add_argument("--no-compiled", action="store_true", help="leave the compiled decoder out")
+    parser.add_argument("--compiled-mode", default="reduce-overhead", choices=["reduce-overhead", "max-autotune"],
+                        help="torch.compile mode of the compiled decoder")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = args.device
@@ -105,6 +143,11 @@ def main() -> None:
     if device == "cuda":
         systems["pagedkv CUDA graphs"] = lambda ids, n: pagedkv.generate(model, ids, max_new_tokens=n,
                                                                          do_sample=False)
+    compiled = f"compiled PyTorch (gpt-fast recipe, {args.compiled_mode})"
+    if device == "cuda" and not args.pagedkv_only and not args.no_compiled:
+        # gpt-fast's Inductor setting: tune the generated kernels' launch shapes.
+        torch._inductor.config.coordinate_descent_tuning = True
+        systems[compiled] = CompiledGenerate(model, PROMPT + NEW, args.compiled_mode)
     if args.hf_static:
         systems["HF static cache (compiled)"] = lambda ids, n: model.generate(
             ids, max_new_tokens=n, do_sample=False, cache_implementation="static")
@@ -116,17 +159,29 @@ def main() -> None:
         # Mean KV read per step over the run: contexts from PROMPT to PROMPT + NEW.
         kv_bytes = batch * (PROMPT + NEW / 2) * kv_bytes_per_token
         roofline_ms = 1e3 * (weight_bytes + kv_bytes) / (copy_gbs * 1e9)
-        hf_ms = None
+        times = {}
         for name, gen in systems.items():
-            ms = per_step_ms(gen, ids, device)
-            hf_ms = ms if name == hf_eager else hf_ms
+            times[name] = ms = per_step_ms(gen, ids, device)
             launches = kernels_per_step(gen, ids, device)
-            rows.append([batch, name, ms, batch * 1e3 / ms, f"{100 * roofline_ms / ms:.0f}%",
-                         launches, "" if hf_ms is None else hf_ms / ms])
+            rows.append([batch, name, ms, batch * 1e3 / ms, f"{100 * roofline_ms / ms:.0f}%", launches])
             plot[name].append(ms)
             print(rows[-1], flush=True)
+        if compiled in systems:
+            # bf16 greedy tokens part at near-ties, which random weights make common: HF eager's
+            # agreement with pagedkv, beside it, says what parting is normal.
+            ours = pagedkv.generate(model, ids, max_new_tokens=NEW, do_sample=False)[:, PROMPT:]
+            for name in (hf_eager, compiled):
+                if name in systems:
+                    theirs = systems[name](ids, NEW)[:, -NEW:]
+                    print(f"batch {batch}: " + describe_agreement(name, first_differences(theirs, ours), NEW),
+                          flush=True)
+            systems[compiled].decoder = None
+        for row in rows[-len(systems):]:
+            name, ms = row[1], row[2]
+            row += ["" if hf_eager not in times else times[hf_eager] / ms,
+                    "" if compiled not in times else times[compiled] / ms]
     header = ["batch", "system", "ms / decode step", "tokens/s", "% of roofline", "kernels / step",
-              "speed-up vs HF eager"]
+              "speed-up vs HF eager", "speed-up vs compiled PyTorch"]
     name = "W1 (Qwen2.5-7B shape)" if not args.small else "W1 widths, 2 layers (smoke)"
     title = (f"{name}, bf16, prompt {PROMPT}, {NEW} new tokens, greedy; "
              f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; weights "
