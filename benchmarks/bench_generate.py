@@ -8,7 +8,7 @@ launches per step, speed-up over HF eager and over the compiled decoder.
                                         [--compiled-mode reduce-overhead|max-autotune]
 
 Per-step time = (time of generate with 1 + N new tokens - time with 1) / N: prefill excluded.
-The compiled decoder (compiled_decoder.py: gpt-fast's recipe, torch.compile over a static cache,
+The compiled decoder (pagedkv.baselines.StaticCacheDecoder: gpt-fast's recipe, torch.compile over a static cache,
 mode reduce-overhead unless --compiled-mode says max-autotune; on CUDA only, compiled once per
 batch, 1-2 minutes each) is what BENCHMARKS.md calls the best compiled PyTorch decoder;
 --no-compiled leaves it out. Its greedy tokens and HF eager's are compared with pagedkv's.
@@ -29,10 +29,10 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
-from compiled_decoder import StaticCacheDecoder  # noqa: E402
 from timing import copy_bandwidth_gbs  # noqa: E402
 
 import pagedkv  # noqa: E402
+from pagedkv.baselines import StaticCacheDecoder  # noqa: E402
 
 W1 = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
           num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,

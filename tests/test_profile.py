@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from pagedkv import profile
 
 
@@ -29,3 +31,20 @@ def test_profile_cli_compares_with_hf(tmp_path, capsys):
     assert [p["system"] for p in saved["profiles"]] == ["pagedkv", "HF generate"]
     assert (tmp_path / "trace_pagedkv.json").stat().st_size > 0
     assert (tmp_path / "trace_hf.json").stat().st_size > 0
+
+
+def test_profile_cli_compares_with_the_static_cache_decoder(tmp_path, capsys):
+    profiles = profile.main(["--model", "tiny", "--batch", "2", "--prompt", "12", "--new", "4",
+                             "--device", "cpu", "--compare", "compiled", "--compiled-mode", "none",
+                             "--out", str(tmp_path)])
+    ours, baseline = profiles
+    assert baseline.system == "PyTorch static cache (eager)"
+    assert "top kernels per step, PyTorch static cache (eager)" in capsys.readouterr().out
+    assert baseline.kernels > 0 and math.isfinite(baseline.unprofiled_wall_ms)
+    assert baseline.phases_ms["decode_step"] is None  # pagedkv's labels are pagedkv's alone
+    assert (tmp_path / "trace_pytorch.json").stat().st_size > 0
+
+
+def test_profile_cli_refuses_an_unknown_comparison():
+    with pytest.raises(SystemExit):
+        profile.main(["--model", "tiny", "--device", "cpu", "--compare", "hf,vllm"])

@@ -1,11 +1,14 @@
-"""Profile steady-state decode steps of pagedkv, and of HF generate on the same model, and print
-where the time goes side by side (wall, kernels, idle gaps, launches, allocations, host syncs,
-top kernels, phases). Exports Chrome traces (open them in Perfetto) and a JSON of the numbers.
+"""Profile steady-state decode steps of pagedkv, and of HF generate and the best compiled PyTorch
+decoder on the same model, and print where the time goes side by side (wall, kernels, idle gaps,
+launches, allocations, host syncs, top kernels, phases). Exports Chrome traces (open them in
+Perfetto) and a JSON of the numbers.
 
-    python -m pagedkv.profile --model w1 --batch 1 --prompt 128 --new 32 --compare hf --out prof/
+    python -m pagedkv.profile --model w1 --batch 1 --prompt 128 --new 32 --compare hf,compiled --out prof/
 
 --model: a shape name (w1: Qwen2.5-7B, w2: Qwen3-0.6B, tiny: a 2-layer model for CPU runs) with
-random weights, or the path of a local HF checkpoint.
+random weights, or the path of a local HF checkpoint. --compare: hf (HF generate, DynamicCache),
+compiled (pagedkv.baselines.StaticCacheDecoder: gpt-fast's recipe, torch.compile over a static
+cache, --compiled-mode none runs it eagerly), both as hf,compiled, or none.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pathlib
 import torch
 
 import pagedkv
+from pagedkv.baselines import StaticCacheDecoder
 from pagedkv.profiling import label_hf_cache_updates, per_step, side_by_side, time_run, trace_run
 
 SHAPES = {
@@ -77,11 +81,18 @@ def main(argv: list[str] | None = None) -> list:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=32, help="decode steps profiled")
-    parser.add_argument("--compare", choices=["hf", "none"], default="hf")
+    parser.add_argument("--compare", default="hf", help="hf, compiled, hf,compiled or none")
+    parser.add_argument("--compiled-mode", default="reduce-overhead",
+                        choices=["reduce-overhead", "max-autotune", "none"],
+                        help="torch.compile mode of the compiled decoder (none: eager)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-graphs", action="store_true", help="pagedkv without CUDA graphs")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="folder for traces + JSON")
     args = parser.parse_args(argv)
+    compare = [] if args.compare == "none" else args.compare.split(",")
+    unknown = sorted(set(compare) - {"hf", "compiled"})
+    if unknown or len(set(compare)) != len(compare):
+        parser.error(f"--compare {args.compare!r}: expected hf, compiled, hf,compiled or none")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.out:
@@ -101,8 +112,13 @@ def main(argv: list[str] | None = None) -> list:
             return hf_plain(x, n)
 
     profiles = [profile_system("pagedkv", ours, ids, args.new, device, args.out)]
-    if args.compare == "hf":
+    if "hf" in compare:
         profiles.append(profile_system("HF generate", hf, ids, args.new, device, args.out, hf_plain))
+    if "compiled" in compare:
+        mode = None if args.compiled_mode == "none" else args.compiled_mode
+        decoder = StaticCacheDecoder(model, args.batch, args.prompt + args.new, mode)
+        name = "compiled PyTorch" if mode else "PyTorch static cache (eager)"
+        profiles.append(profile_system(name, decoder.generate, ids, args.new, device, args.out))
     print(f"{args.model}, batch {args.batch}, prompt {args.prompt}, {args.new} decode steps, "
           f"{dtype}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
     print(side_by_side(profiles))

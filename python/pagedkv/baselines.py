@@ -1,22 +1,25 @@
-"""The best PyTorch-native decoder, to time pagedkv against in the same run: gpt-fast's recipe
-(a static KV cache, fused QKV and gate/up weights, one decode step compiled whole by
-torch.compile with mode="reduce-overhead", so it replays as a CUDA graph; greedy argmax in the
-graph) over an HF Llama-family model's own weights. BENCHMARKS.md measured gpt-fast at 87% of
-W1's roofline on an H100; this is that decoder, rebuilt here so it runs on the same machine, the
-same torch and the same model as pagedkv.
+"""Baselines to time pagedkv against in the same run.
 
-What it keeps of gpt-fast: the cache is [batch, kv heads, max_seq, head_dim] per layer, written
-with index_copy_ at the step's position; attention is SDPA over the whole cache with a mask of
-the positions written so far. What it changes: SDPA's GQA (`enable_gqa`) instead of
-repeat_interleave, which copied K/V every step; QKV bias, Qwen3's q/k norms and HF's RoPE tables
-(Llama-3 scaling included), so it computes what HF computes for every architecture pagedkv runs.
+StaticCacheDecoder is the best PyTorch-native decoder, gpt-fast's recipe, over an HF Llama-family
+model's own weights: a static KV cache, fused QKV and gate/up weights, one decode step compiled
+whole by torch.compile with mode="reduce-overhead" (so it replays as a CUDA graph), greedy argmax
+in the graph. BENCHMARKS.md measured gpt-fast at 87% of W1's roofline on an H100; this rebuilds
+it so that it runs on the same machine, torch and model as pagedkv.
 
+Kept from gpt-fast: the cache is [batch, kv heads, max_seq, head_dim] per layer, written with
+index_copy_ at the step's position, and attention runs over the whole cache with a mask of the
+positions written so far. Changed: each kv head's query heads are the rows of one matmul, where
+gpt-fast repeated K/V per query head (a copy every step); QKV bias, Qwen3's q/k norms and HF's
+RoPE tables (Llama-3 scaling included), so it computes what HF computes for every architecture
+pagedkv runs.
+
+    from pagedkv.baselines import StaticCacheDecoder
     decoder = StaticCacheDecoder(model, batch=8, max_seq=512)
     tokens = decoder.generate(input_ids, max_new_tokens=128)   # [batch, max_new_tokens]
 
-Prompts must share one length (no padding); the prefill runs eagerly, the decode steps compiled
-(compile_mode "reduce-overhead" or "max-autotune", which also tunes Triton GEMMs against cuBLAS;
-None: eager).
+Prompts must share one length (no padding). The prefill runs eagerly; the decode steps run
+compiled with compile_mode "reduce-overhead" or "max-autotune" (which also tunes Triton GEMMs
+against cuBLAS), or eagerly with None.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""benchmarks/compiled_decoder.py, the compiled PyTorch decoder bench_generate times pagedkv
-against: greedy tokens equal HF generate's for every architecture pagedkv runs (fp32, CPU, eager),
+"""pagedkv.baselines.StaticCacheDecoder, the compiled PyTorch decoder bench_generate and
+pagedkv.profile time pagedkv against: greedy tokens equal HF generate's for every architecture pagedkv runs (fp32, CPU, eager),
 its decode step traces as one graph, and bad arguments are refused."""
 
 from __future__ import annotations
-
-import pathlib
-import sys
 
 import pytest
 import torch
 
 from models import ARCHITECTURES, tiny_model
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from compiled_decoder import StaticCacheDecoder  # noqa: E402
+from pagedkv.baselines import StaticCacheDecoder
 
 
 def hf_new_tokens(model, ids: torch.Tensor, new: int) -> torch.Tensor:
