@@ -48,3 +48,28 @@ def test_profile_cli_compares_with_the_static_cache_decoder(tmp_path, capsys):
 def test_profile_cli_refuses_an_unknown_comparison():
     with pytest.raises(SystemExit):
         profile.main(["--model", "tiny", "--device", "cpu", "--compare", "hf,vllm"])
+
+
+def test_idle_gaps_are_charged_to_the_kernel_that_ends_them():
+    from pagedkv.profiling import _gaps_before
+
+    # (start us, end us, name), out of order; c overlaps b, so no idle time before c.
+    kernels = [(40.0, 50.0, "b"), (0.0, 10.0, "a"), (18.0, 30.0, "c"), (15.0, 20.0, "b")]
+    table = _gaps_before(kernels)
+    assert table["a"] == (0.0, 1)
+    assert table["c"] == (0.0, 1)
+    ms, calls = table["b"]
+    assert calls == 2 and math.isclose(ms, (5.0 + 10.0) / 1e3)
+
+
+def test_the_quietest_run_is_the_one_with_least_device_idle():
+    from pagedkv.profiling import RunTrace, quietest
+
+    def run(wall, idle):
+        return RunTrace(wall, 1.0, 1.0, 1, 0, 0, 0, {"k": (1.0, 1)}, {},
+                        {"k": (idle, 1)} if idle is not None else {})
+
+    noisy, calm, slow = run(5.0, 3.0), run(6.0, 0.5), run(9.0, 0.5)
+    assert quietest([noisy, calm, slow]) is calm
+    cpu_fast, cpu_slow = run(2.0, None), run(3.0, None)
+    assert quietest([cpu_slow, cpu_fast]) is cpu_fast

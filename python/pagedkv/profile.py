@@ -22,7 +22,8 @@ import torch
 
 import pagedkv
 from pagedkv.baselines import StaticCacheDecoder
-from pagedkv.profiling import label_hf_cache_updates, per_step, side_by_side, time_run, trace_run
+from pagedkv.profiling import (label_hf_cache_updates, per_step, quietest, side_by_side, time_run,
+                               trace_run)
 
 SHAPES = {
     "w1": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -56,10 +57,11 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
 
 
 def profile_system(name: str, generate, ids, new: int, device, out: pathlib.Path | None,
-                   plain_generate=None):
+                   plain_generate=None, repeats: int = 3):
     """Per-step profile of generate(ids, n): runs with 1 and 1 + new tokens, warmed up first,
     each also timed without the profiler (its per-launch cost would inflate HF's wall time), by
-    plain_generate when given (the same call without the profiling labels)."""
+    plain_generate when given (the same call without the profiling labels). Each profiled run is
+    repeated and the quietest kept (profiling.quietest)."""
     short_n, long_n = 1, 1 + new
     timed = plain_generate or generate
     generate(ids, long_n)
@@ -68,9 +70,10 @@ def profile_system(name: str, generate, ids, new: int, device, out: pathlib.Path
     unprofiled = (time_run(lambda: timed(ids, short_n), device),
                   time_run(lambda: timed(ids, long_n), device))
     stem = name.split()[0].lower()
-    short = trace_run(lambda: generate(ids, short_n), device)
-    long = trace_run(lambda: generate(ids, long_n), device,
-                     str(out / f"trace_{stem}.json") if out else None)
+    short = quietest([trace_run(lambda: generate(ids, short_n), device) for _ in range(repeats)])
+    long = quietest([trace_run(lambda: generate(ids, long_n), device,
+                               str(out / f"trace_{stem}.json") if out and i == 0 else None)
+                     for i in range(repeats)])
     return per_step(name, short, long, long_n - short_n, unprofiled)
 
 

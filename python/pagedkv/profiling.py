@@ -37,6 +37,9 @@ class RunTrace:
     syncs: int  # host calls that wait for the device
     kernel_table: dict[str, tuple[float, int]]  # name -> (ms, calls)
     phases_ms: dict[str, float]  # record_function label -> host ms, labels seen in the trace only
+    # kernel name -> (ms the device sat idle right before its launches, launches): where the
+    # idle gap goes (CUDA only; empty on the CPU)
+    gap_table: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,13 +50,17 @@ class StepProfile:
     wall_ms: float  # under the profiler, whose per-launch cost inflates launch-heavy systems
     unprofiled_wall_ms: float  # the same step timed without the profiler: the speed to quote
     kernel_ms: float
-    gap_ms: float  # wall time with no kernel running
-    gap_share: float
+    # Device idle between kernels (CUDA: read off the device timeline, so host noise before the
+    # first kernel and after the last does not enter; CPU: wall time minus the ops' time)
+    gap_ms: float
+    gap_share: float  # of the step's time: busy + idle on CUDA, wall on the CPU
     kernels: float
     allocs: float
     alloc_bytes: float
     syncs: float
     top_kernels: list[tuple[str, float, float]]  # (name, ms per step, calls per step)
+    # (kernel name, idle ms per step right before it, launches per step), largest first
+    top_gaps: list[tuple[str, float, float]]
     # label -> host ms per step (per call for ONCE_PER_CALL); None: the system has no such label
     phases_ms: dict[str, float | None]
 
@@ -66,6 +73,19 @@ def _is_top_level_op(e) -> bool:
     """A CPU op not called from inside another op: its total time is the work it stands for."""
     return e.device_type == torch.autograd.DeviceType.CPU and _is_op(e.name) and (
         e.cpu_parent is None or not _is_op(e.cpu_parent.name))
+
+
+def _gaps_before(kernels: list[tuple[float, float, str]]) -> dict[str, tuple[float, int]]:
+    """kernels: (start us, end us, name). The idle time before each kernel (from the latest end
+    of the kernels before it to its start; 0 where they overlap), summed per kernel name."""
+    table: dict[str, tuple[float, int]] = {}
+    end = None
+    for start, stop, name in sorted(kernels):
+        idle = 0.0 if end is None else max(start - end, 0.0) / 1e3
+        total, calls = table.get(name, (0.0, 0))
+        table[name] = (total + idle, calls + 1)
+        end = stop if end is None else max(end, stop)
+    return table
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
@@ -118,6 +138,7 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
     events = prof.events()
     kernel_table: dict[str, tuple[float, int]] = {}
     intervals = []
+    named_intervals = []
     phases: dict[str, float] = {}
     syncs = 0
     for e in events:
@@ -130,6 +151,7 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
                 and "Memset" not in e.name and e.name not in PHASES:
             ms = (e.time_range.end - e.time_range.start) / 1e3
             intervals.append((e.time_range.start, e.time_range.end))
+            named_intervals.append((e.time_range.start, e.time_range.end, e.name))
         elif not cuda and _is_top_level_op(e):
             ms = e.cpu_time_total / 1e3
         else:
@@ -149,7 +171,20 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
         allocs = len(allocating)
         alloc_bytes = sum(e.self_cpu_memory_usage for e in allocating)
         busy_ms = kernel_ms
-    return RunTrace(wall_ms, kernel_ms, busy_ms, kernels, allocs, alloc_bytes, syncs, kernel_table, phases)
+    return RunTrace(wall_ms, kernel_ms, busy_ms, kernels, allocs, alloc_bytes, syncs, kernel_table, phases,
+                    _gaps_before(named_intervals))
+
+
+def idle_ms(trace: RunTrace) -> float:
+    """Device idle between the kernels of one run (0 on the CPU, which has no device timeline)."""
+    return sum(ms for ms, _ in trace.gap_table.values())
+
+
+def quietest(traces: list[RunTrace]) -> RunTrace:
+    """Of repeated runs of one call, the one the host disturbed least (least device idle on CUDA,
+    least wall time on the CPU): a single run's stray host pause (Python's GC, a page fault) can
+    be larger than a whole step's idle time, and would pass for it in a difference of two runs."""
+    return min(traces, key=lambda t: (idle_ms(t), t.wall_ms) if t.gap_table else (t.wall_ms,))
 
 
 def time_run(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
@@ -175,19 +210,27 @@ def per_step(system: str, short: RunTrace, long: RunTrace, extra_steps: int,
     d = float(extra_steps)
     wall = (long.wall_ms - short.wall_ms) / d
     busy = (long.busy_ms - short.busy_ms) / d
-    gap = max(wall - busy, 0.0)
-    rows = []
-    for name, (ms, calls) in long.kernel_table.items():
-        ms0, calls0 = short.kernel_table.get(name, (0.0, 0))
-        rows.append((name, (ms - ms0) / d, (calls - calls0) / d))
-    rows.sort(key=lambda r: -r[1])
+    if long.gap_table:  # CUDA: the idle time between kernels, host-caused idle included
+        gap = max((idle_ms(long) - idle_ms(short)) / d, 0.0)
+        span = busy + gap
+    else:
+        gap = max(wall - busy, 0.0)
+        span = wall
+
+    def per_step_rows(long_table, short_table):
+        rows = []
+        for name, (ms, calls) in long_table.items():
+            ms0, calls0 = short_table.get(name, (0.0, 0))
+            rows.append((name, (ms - ms0) / d, (calls - calls0) / d))
+        return sorted(rows, key=lambda r: -r[1])[:top]
     return StepProfile(
         system=system, wall_ms=wall, unprofiled_wall_ms=(unprofiled_ms[1] - unprofiled_ms[0]) / d,
         kernel_ms=(long.kernel_ms - short.kernel_ms) / d, gap_ms=gap,
-        gap_share=gap / wall if wall > 0 else float("nan"),
+        gap_share=gap / span if span > 0 else float("nan"),
         kernels=(long.kernels - short.kernels) / d, allocs=(long.allocs - short.allocs) / d,
         alloc_bytes=(long.alloc_bytes - short.alloc_bytes) / d, syncs=(long.syncs - short.syncs) / d,
-        top_kernels=rows[:top],
+        top_kernels=per_step_rows(long.kernel_table, short.kernel_table),
+        top_gaps=per_step_rows(long.gap_table, short.gap_table),
         phases_ms={p: _phase_ms(p, short, long, d) for p in PHASES},
     )
 
@@ -226,4 +269,8 @@ def side_by_side(profiles: list[StepProfile]) -> str:
     for p in profiles:
         lines.append(f"\ntop kernels per step, {p.system}:")
         lines += [f"  {ms:8.3f} ms  {calls:6.1f} x  {name[:90]}" for name, ms, calls in p.top_kernels]
+    for p in profiles:
+        if p.top_gaps:
+            lines.append(f"\nidle time before these kernels per step, {p.system}:")
+            lines += [f"  {ms:8.3f} ms  {calls:6.1f} x  {name[:90]}" for name, ms, calls in p.top_gaps]
     return "\n".join(lines)
