@@ -8,10 +8,10 @@ launches per step, speed-up over HF eager and over the compiled decoder.
                                         [--compiled-mode reduce-overhead|max-autotune]
 
 Per-step time = (time of generate with 1 + N new tokens - time with 1) / N: prefill excluded.
-The compiled decoder (pagedkv.baselines.StaticCacheDecoder: gpt-fast's recipe, torch.compile over a static cache,
-mode reduce-overhead unless --compiled-mode says max-autotune; on CUDA only, compiled once per
-batch, 1-2 minutes each) is what BENCHMARKS.md calls the best compiled PyTorch decoder;
---no-compiled leaves it out. Its greedy tokens and HF eager's are compared with pagedkv's.
+The compiled decoder (pagedkv.baselines.StaticCacheDecoder: gpt-fast's recipe, torch.compile
+over a static cache, mode reduce-overhead unless --compiled-mode says max-autotune; on CUDA only,
+compiled once per batch, 1-2 minutes each) is what BENCHMARKS.md calls the best compiled PyTorch
+decoder; --no-compiled leaves it out. Its greedy tokens and HF eager's are compared with pagedkv's.
 --hf-static adds HF's static cache (auto-compiled; slow to compile). --small uses a 2-layer
 model of the same widths (smoke test, also on CPU). --pagedkv-only leaves HF out (for A/B runs of
 pagedkv changes, scripts/gpu_ab.sh, whose A side has HF's rows; the speed-up columns are empty).
@@ -124,7 +124,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--pagedkv-only", action="store_true")
     parser.add_argument("--no-compiled", action="store_true", help="leave the compiled decoder out")
-    parser.add_argument("--compiled-mode", default="reduce-overhead", choices=["reduce-overhead", "max-autotune"],
+    parser.add_argument("--compiled-mode", default="reduce-overhead",
+                        choices=["reduce-overhead", "max-autotune"],
                         help="torch.compile mode of the compiled decoder")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()

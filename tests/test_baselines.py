@@ -1,6 +1,7 @@
-"""pagedkv.baselines.StaticCacheDecoder, the compiled PyTorch decoder bench_generate and
-pagedkv.profile time pagedkv against: greedy tokens equal HF generate's for every architecture pagedkv runs (fp32, CPU, eager),
-its decode step traces as one graph, and bad arguments are refused."""
+"""pagedkv.baselines.StaticCacheDecoder, the compiled PyTorch decoder that bench_generate and
+pagedkv.profile time pagedkv against: its greedy tokens equal HF generate's for every
+architecture pagedkv runs (fp32, CPU, eager), its decode step traces as one graph, and bad
+arguments are refused."""
 
 from __future__ import annotations
 

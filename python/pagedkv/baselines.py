@@ -46,7 +46,8 @@ def _concat(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     if all(t is None for t in tensors):
         return None
     if any(t is None for t in tensors):
-        raise ValueError("StaticCacheDecoder: q/k/v projections must all have a bias or none")
+        raise ValueError("StaticCacheDecoder: the projections fused into one weight must all have "
+                         "a bias or none")
     return torch.cat([t.detach() for t in tensors])
 
 
@@ -55,7 +56,8 @@ class StaticCacheDecoder(torch.nn.Module):
         super().__init__()
         name = type(model).__name__
         if name not in SUPPORTED:
-            raise ValueError(f"StaticCacheDecoder: {name} is not supported; supported: {', '.join(SUPPORTED)}")
+            raise ValueError(f"StaticCacheDecoder: {name} is not supported; "
+                             f"supported: {', '.join(SUPPORTED)}")
         cfg = model.config
         window = getattr(cfg, "sliding_window", None)
         if window is not None and getattr(cfg, "use_sliding_window", True) and max_seq > window:

@@ -61,7 +61,7 @@ def profile_system(name: str, generate, ids, new: int, device, out: pathlib.Path
     """Per-step profile of generate(ids, n): runs with 1 and 1 + new tokens, warmed up first,
     each also timed without the profiler (its per-launch cost would inflate HF's wall time), by
     plain_generate when given (the same call without the profiling labels). Each profiled run is
-    repeated and the quietest kept (profiling.quietest)."""
+    repeated and the quietest kept (profiling.quietest); the first long run's trace is exported."""
     short_n, long_n = 1, 1 + new
     timed = plain_generate or generate
     generate(ids, long_n)

@@ -137,8 +137,7 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
         prof.export_chrome_trace(trace_path)
     events = prof.events()
     kernel_table: dict[str, tuple[float, int]] = {}
-    intervals = []
-    named_intervals = []
+    kernel_spans = []  # (start us, end us, name) of each GPU kernel
     phases: dict[str, float] = {}
     syncs = 0
     for e in events:
@@ -150,8 +149,7 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name \
                 and "Memset" not in e.name and e.name not in PHASES:
             ms = (e.time_range.end - e.time_range.start) / 1e3
-            intervals.append((e.time_range.start, e.time_range.end))
-            named_intervals.append((e.time_range.start, e.time_range.end, e.name))
+            kernel_spans.append((e.time_range.start, e.time_range.end, e.name))
         elif not cuda and _is_top_level_op(e):
             ms = e.cpu_time_total / 1e3
         else:
@@ -165,14 +163,14 @@ def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | 
         allocs = after.get("allocation.all.allocated", 0) - before.get("allocation.all.allocated", 0)
         alloc_bytes = (after.get("allocated_bytes.all.allocated", 0)
                        - before.get("allocated_bytes.all.allocated", 0))
-        busy_ms = _union_ms(intervals)
+        busy_ms = _union_ms([(start, stop) for start, stop, _ in kernel_spans])
     else:
         allocating = [e for e in events if e.self_cpu_memory_usage > 0]
         allocs = len(allocating)
         alloc_bytes = sum(e.self_cpu_memory_usage for e in allocating)
         busy_ms = kernel_ms
     return RunTrace(wall_ms, kernel_ms, busy_ms, kernels, allocs, alloc_bytes, syncs, kernel_table, phases,
-                    _gaps_before(named_intervals))
+                    _gaps_before(kernel_spans))
 
 
 def idle_ms(trace: RunTrace) -> float:
