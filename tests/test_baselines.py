@@ -33,6 +33,19 @@ def test_greedy_tokens_equal_hf(arch, batch):
     assert torch.equal(decoder.generate(ids, new), expected)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_compiled_step_on_cuda_gives_hf_tokens(arch):
+    """The step as bench_generate runs it: compiled with reduce-overhead (CUDA graphs whose cache
+    buffers are written in place), fp32 so that the tokens must equal HF's exactly."""
+    model = tiny_model(arch, device="cuda")
+    decoder = StaticCacheDecoder(model, batch=2, max_seq=32)
+    for _ in range(2):  # a second prompt: the replayed graphs over a rewritten cache
+        ids = torch.randint(3, model.config.vocab_size, (2, 9), device="cuda")
+        expected = hf_new_tokens(model, ids, 12)
+        assert torch.equal(decoder.generate(ids, 12), expected)
+
+
 def test_decode_step_traces_as_one_graph():
     model = tiny_model("qwen3")
     decoder = StaticCacheDecoder(model, batch=2, max_seq=32, compile_mode=None)
