@@ -63,6 +63,10 @@ def test_bad_arguments_are_refused():
         decoder.generate(torch.randint(3, 100, (1, 4)), 4)
     with pytest.raises(ValueError, match="needs max_seq >= 20"):
         decoder.generate(torch.randint(3, 100, (2, 10)), 11)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        decoder.generate(torch.randint(3, 100, (2, 10)), 0)
+    with pytest.raises(ValueError, match="input_ids are on meta, the model on cpu"):
+        decoder.generate(torch.empty(2, 4, dtype=torch.long, device="meta"), 4)
     with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported"):
         from transformers import GPT2Config, GPT2LMHeadModel
         StaticCacheDecoder(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 1, 8)

@@ -52,6 +52,9 @@ def _concat(*tensors: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class StaticCacheDecoder(torch.nn.Module):
+    """Greedy decoding of `batch` equal-length prompts of up to `max_seq` tokens in all, over the
+    HF model's weights (see the module's docstring)."""
+
     def __init__(self, model, batch: int, max_seq: int, compile_mode: str | None = "reduce-overhead"):
         super().__init__()
         name = type(model).__name__
@@ -162,7 +165,12 @@ class StaticCacheDecoder(torch.nn.Module):
         B, T = input_ids.shape
         if B != self.batch:
             raise ValueError(f"StaticCacheDecoder: built for batch {self.batch}, got {B}")
-        if max_new_tokens < 1 or T + max_new_tokens - 1 > self.max_seq:
+        if input_ids.device != self.embed.device:
+            raise ValueError(f"StaticCacheDecoder: input_ids are on {input_ids.device}, the model on "
+                             f"{self.embed.device}")
+        if max_new_tokens < 1:
+            raise ValueError(f"StaticCacheDecoder: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if T + max_new_tokens - 1 > self.max_seq:
             raise ValueError(f"StaticCacheDecoder: prompt {T} + {max_new_tokens} new tokens needs "
                              f"max_seq >= {T + max_new_tokens - 1}, built with {self.max_seq}")
         pos = torch.arange(T, device=input_ids.device)
