@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "llama3": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama_bias": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON, attention_bias=True)),  # QKV + O bias
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON)),  # QKV bias
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=128)),  # q/k norm
     "qwen3_tied": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=128, tie_word_embeddings=True)),
@@ -27,9 +28,12 @@ def tiny_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     torch.manual_seed(seed)
     model = ARCHITECTURES[name]()
     # Random init is small; widen the weights so logits are far from ties and tokens vary
-    # (std 0.3 per input unit keeps activations O(1) with hidden 256).
+    # (std 0.3 per input unit keeps activations O(1) with hidden 256). HF zeroes biases: random
+    # ones, so a bias the runner dropped would change tokens.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.3 * 16 / p.shape[-1] ** 0.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.3)
     return model.to(device=device, dtype=dtype).eval()

@@ -89,6 +89,7 @@ class StaticCacheDecoder(torch.nn.Module):
                 wqkv=_concat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
                 bqkv=_concat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
                 wo=attn.o_proj.weight.detach(),
+                bo=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
                 w_gate_up=_concat(mlp.gate_proj.weight, mlp.up_proj.weight),
                 w_down=mlp.down_proj.weight.detach(),
                 q_norm=attn.q_norm.weight.detach() if self.qk_norm else None,
@@ -149,7 +150,8 @@ class StaticCacheDecoder(torch.nn.Module):
             k_cache.index_copy_(2, pos, k)
             v_cache.index_copy_(2, pos, v)
             o = self._attend(q, k_cache, v_cache, mask)
-            x = x + F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), self._layer("wo", i))
+            x = x + F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), self._layer("wo", i),
+                             self._layer("bo", i))
             h = _rms_norm(x, self._layer("post_norm", i), self.eps)
             gate, up = F.linear(h, self._layer("w_gate_up", i)).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, self._layer("w_down", i))

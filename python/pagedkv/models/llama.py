@@ -30,6 +30,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None  # [Dh] (Qwen3)
     k_norm: torch.Tensor | None  # [Dh] (Qwen3)
     o: torch.Tensor  # [D, Hq * Dh]
+    o_bias: torch.Tensor | None  # [D] (Llama's attention_bias=True)
     post_norm: torch.Tensor  # [D]
     gate_up: torch.Tensor  # [2 * I, D]
     down: torch.Tensor  # [D, I]
@@ -86,6 +87,7 @@ def extract_weights(model) -> DecoderWeights:
             q_norm=None if q_norm is None else q_norm.weight.detach(),
             k_norm=None if k_norm is None else k_norm.weight.detach(),
             o=attn.o_proj.weight.detach(),
+            o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
             gate_up=gate_up, down=mlp.down_proj.weight.detach(),
         ))
@@ -160,7 +162,7 @@ class PagedDecoder:
             elif i == 0 and meta.prefill_lens is None:
                 workspace = ops.paged_decode_workspace(q, self.k_caches[i], meta.block_tables)
             attn = self._attention(i, q, k, v, meta, workspace)  # [T, Hq, Dh]
-            hidden = ops.linear(attn.view(num_tokens, q_size), layer.o)
+            hidden = ops.linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias)
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, w.eps)
             act = ops.gate_up_silu(hidden, layer.gate_up)  # [T, I]
             hidden = ops.linear(act, layer.down)
