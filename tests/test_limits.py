@@ -132,7 +132,7 @@ def test_wrong_inputs_generate(gen):
         (ValueError, r"input_ids must be a 2-D tensor \[batch, prompt_length\] .* got Tensor \(5,\)", dict(input_ids=ids[0])),
         (ValueError, r"input_ids must be a 2-D tensor .* got list", dict(input_ids=ids.tolist())),
         (ValueError, r"input_ids hold ids in \[\d+, 300\]; allowed: \[0, 255\]", dict(input_ids=torch.cat([ids, ids.new_tensor([[300]])], 1))),
-        (ValueError, r"input_ids is on meta but the model is on cpu; move them to the model's device", dict(input_ids=ids.to("meta"))),
+        (ValueError, r"input_ids is on meta but pagedkv runs the model on cpu; move them there", dict(input_ids=ids.to("meta"))),
         (ValueError, r"attention_mask has shape \(1, 4\) but input_ids has \(1, 5\); they must match",
          dict(input_ids=ids, attention_mask=torch.ones(1, 4, dtype=torch.int64))),
         (TypeError, r"attention_mask must be a tensor .* got list", dict(input_ids=ids, attention_mask=[[1] * 5])),

@@ -11,6 +11,7 @@ from pagedkv.generate import generate, kv_cache_of, patch, unpatch
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.engine import LLM, EngineStats
+from pagedkv.parallel import tensor_parallel
 
 __version__ = "0.1.0"
 
@@ -20,7 +21,7 @@ build_info: str = _C.build_info
 with_cuda: bool = _C.with_cuda
 """True when the CUDA kernels were compiled in."""
 
-__all__ = ["generate", "patch", "unpatch", "kv_cache_of", "LLM", "SamplingParams", "RequestOutput",
+__all__ = ["generate", "patch", "unpatch", "kv_cache_of", "tensor_parallel", "LLM", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestMetrics", "EngineStats", "supports", "unsupported_reason", "UnsupportedModel",
            "UnsupportedGenerationArgument", "ops", "KVCache", "KVCacheSpec", "CacheFull",
            "StepMetadata", "build_info", "with_cuda", "__version__"]

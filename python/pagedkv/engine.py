@@ -34,7 +34,7 @@ from pagedkv.runner import BATCH_BUCKETS, runner_for
 from pagedkv.sampling_batch import SamplingBatch
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.scheduler import Scheduler, SchedulerOutput
-from pagedkv.support import attention_window, check_supported
+from pagedkv.support import UnsupportedModel, attention_window, check_supported
 
 @dataclasses.dataclass(slots=True)
 class EngineStats:
@@ -77,6 +77,9 @@ class LLM:
         check_supported(model)
         self.model = model
         runner = runner_for(model)  # the weights, fused once and shared with generate()
+        if runner.tp is not None:
+            raise UnsupportedModel("pagedkv.LLM does not run tensor-parallel models yet; "
+                                   "pagedkv.generate does (this model went through pagedkv.tensor_parallel)")
         self.device = runner.device
         limit = runner.max_positions
         window = attention_window(model)
@@ -100,7 +103,7 @@ class LLM:
         if graphs and self.device.type != "cuda":
             raise ValueError("pagedkv.LLM: use_cuda_graphs=True needs a model on a CUDA device")
         self.graphs = DecodeGraphs(self.decoder, self.device) if graphs else None
-        self.vocab_size = int(w.lm_head.shape[0])
+        self.vocab_size = w.vocab_size
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         if eos is None:
             eos = model.config.eos_token_id

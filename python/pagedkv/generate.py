@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from pagedkv.cache import KVCache
 from pagedkv.generation_config import GenerationSettings, resolve_generation
-from pagedkv.runner import runner_for
+from pagedkv.runner import device_of, runner_for
 from pagedkv.support import attention_window, check_supported
 
 
@@ -59,10 +59,10 @@ def _check_inputs(model, input_ids) -> None:
         raise ValueError(f"pagedkv.generate: input_ids has dtype {input_ids.dtype}; allowed: torch.int64, torch.int32")
     if input_ids.numel() == 0:
         raise ValueError("pagedkv.generate: input_ids is empty; every prompt needs at least one token")
-    device = next(model.parameters()).device
+    device = device_of(model)
     if input_ids.device != device:
-        raise ValueError(f"pagedkv.generate: input_ids is on {input_ids.device} but the model is on "
-                         f"{device}; move them to the model's device")
+        raise ValueError(f"pagedkv.generate: input_ids is on {input_ids.device} but pagedkv runs the "
+                         f"model on {device}; move them there")
     vocab = model.config.vocab_size
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab:

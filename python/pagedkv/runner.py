@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 
 import torch
 from torch.profiler import record_function
@@ -20,6 +21,7 @@ from pagedkv.decode_state import DecodeState
 from pagedkv.generation_config import GenerationSettings
 from pagedkv.logits import apply_repetition_penalty, suppress_eos
 from pagedkv.models.llama import PagedDecoder, ForwardMetadata, extract_weights
+from pagedkv.parallel import TensorParallel, shard_weights
 from pagedkv.rope import build_cos_sin_cache
 from pagedkv.support import check_supported
 
@@ -31,6 +33,20 @@ def slots_of(block_table: list[int], num_tokens: int) -> torch.Tensor:
     """Cache slots [num_tokens] int32 of a sequence's first num_tokens tokens."""
     blocks = torch.tensor(block_table, dtype=torch.int32).repeat_interleave(BLOCK_SIZE)[:num_tokens]
     return blocks * BLOCK_SIZE + torch.arange(num_tokens, dtype=torch.int32) % BLOCK_SIZE
+
+
+def _call_digest(prompts: list[list[int]], settings: GenerationSettings) -> list[int]:
+    """A few numbers that differ, but for a hash collision, between two different calls."""
+    ids = [t for p in prompts for t in p]
+    return [len(prompts), len(ids), zlib.crc32(repr(prompts).encode()),
+            zlib.crc32(repr(settings).encode())]
+
+
+def device_of(model) -> torch.device:
+    """Where pagedkv runs `model`: its runner's device (a tensor-parallel shard's may differ
+    from the HF model's own), else the model's."""
+    runner = getattr(model, "_pagedkv_runner", None)
+    return runner.device if runner is not None else next(model.parameters()).device
 
 
 def _bucket(batch: int) -> int:
@@ -82,13 +98,17 @@ class _Sampler:
 
 
 class ModelRunner:
-    def __init__(self, model):
+    def __init__(self, model, tp: TensorParallel | None = None):
+        """tp: run this rank's shard of the model on tp.device (pagedkv.tensor_parallel)."""
         check_supported(model)
         self.model = model
+        self.tp = tp
         param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = (param.device if tp is None else tp.device), param.dtype
         config = model.config
         self.weights = extract_weights(model)
+        if tp is not None:
+            self.weights = shard_weights(self.weights, tp.rank, tp.world_size, tp.device)
         self.max_positions = int(config.max_position_embeddings)
         # [max_positions, Dh] fp32, from the model's own rotary embedding (exactly HF's cos/sin).
         self.cos_sin = build_cos_sin_cache(config, self.max_positions, self.device,
@@ -108,7 +128,8 @@ class ModelRunner:
             self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
                                  device=self.device, block_size=spec.block_size, num_blocks=num_blocks,
                                  max_seq_len=self.max_positions, enable_prefix_caching=False)
-            self.decoder = PagedDecoder(w, self.cos_sin, self.cache.k_caches, self.cache.v_caches)
+            self.decoder = PagedDecoder(w, self.cos_sin, self.cache.k_caches, self.cache.v_caches,
+                                        tp=self.tp)
         return self.cache
 
     def _check_memory(self, spec: KVCacheSpec, num_blocks: int, rows: int, longest: int) -> None:
@@ -116,11 +137,13 @@ class ModelRunner:
         device; the cache in use is counted as free since it is replaced."""
         needed = num_blocks * spec.bytes_per_block
         free = free_memory_bytes(self.device)
-        if free is None:
-            return
-        if self.cache is not None:
+        if free is not None and self.cache is not None:
             free += self.cache.kv.nbytes
-        if needed > free:
+        fits = free is None or needed <= free
+        if self.tp is not None and not self.tp.all_true(fits) and fits:  # all ranks refuse together
+            raise CacheFull(f"pagedkv.generate: the batch's {num_blocks} KV-cache blocks fit this "
+                            "rank's device but not another's (its error names the sizes). Nothing was run.")
+        if not fits:
             raise CacheFull(f"pagedkv.generate: the batch needs {num_blocks} KV-cache blocks "
                             f"({needed / 2**20:.1f} MiB: {rows} rows of up to {longest} tokens, prompt + "
                             f"max_new_tokens) but {self.device} has {free / 2**20:.1f} MiB free; "
@@ -144,6 +167,8 @@ class ModelRunner:
                              f"max_new_tokens must be <= {self.max_positions}")
         # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
+        if self.tp is not None:
+            self.tp.check_same("prompts or generation settings", _call_digest(prompts, settings))
         lengths = [len(p) + max_new for p in prompts]
         blocks_per_row = [math.ceil(n / BLOCK_SIZE) for n in lengths]
         cache = self._ensure_cache(sum(blocks_per_row), batch, longest)
@@ -177,7 +202,7 @@ class ModelRunner:
             return self.decoder.forward(ids, meta, logits_rows=last_rows)
 
     def _new_state(self, batch_rows: int, max_blocks: int, settings: GenerationSettings):
-        vocab = self.weights.lm_head.shape[0] if settings.repetition_penalty != 1.0 else None
+        vocab = self.weights.vocab_size if settings.repetition_penalty != 1.0 else None
         state = DecodeState.allocate(batch_rows, max_blocks, vocab, BLOCK_SIZE, self.device)
         return state, _Sampler(batch_rows, settings, self.device)
 
@@ -237,6 +262,8 @@ class ModelRunner:
             state.offsets.zero_()
             if settings.do_sample:  # from torch's global RNG: torch.manual_seed reproduces a call
                 sampler.seeds[:batch].copy_(torch.randint(0, 2**62, (batch,)))
+                if self.tp is not None:  # every rank samples with the first rank's seeds
+                    self.tp.broadcast_(sampler.seeds)
             sampler.temperatures.fill_(settings.temperature if settings.do_sample else 0.0)
             sampler.top_k.fill_(settings.top_k)
             sampler.top_p.fill_(settings.top_p)

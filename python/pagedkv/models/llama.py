@@ -43,8 +43,9 @@ class DecoderWeights:
     embed: torch.Tensor  # [V, D]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
-    num_heads: int
+    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied); [ceil(V / n), D] on n ranks
+    vocab_size: int  # V
+    num_heads: int  # on this rank (Hq / n under tensor parallelism)
     num_kv_heads: int
     head_dim: int
     eps: float
@@ -96,6 +97,7 @@ def extract_weights(model) -> DecoderWeights:
     return DecoderWeights(
         embed=inner.embed_tokens.weight.detach(), layers=layers,
         final_norm=inner.norm.weight.detach(), lm_head=model.lm_head.weight.detach(),
+        vocab_size=int(model.lm_head.weight.shape[0]),
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
         head_dim=head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
     )
@@ -128,11 +130,14 @@ class PagedDecoder:
     """The forward of one Llama-family model over the paged cache. Holds no per-step state."""
 
     def __init__(self, weights: DecoderWeights, cos_sin_cache: torch.Tensor,
-                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], tp=None):
         self.w = weights
         self.cos_sin_cache = cos_sin_cache  # [max_position, Dh] fp32: cos | sin halves
         self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
         self.v_caches = v_caches
+        # pagedkv.parallel.TensorParallel when `weights` are one rank's shard: the O and down
+        # products are partial sums (all-reduced) and the logits one vocabulary slice (gathered).
+        self.tp = tp
 
     def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,13 +168,18 @@ class PagedDecoder:
                 workspace = ops.paged_decode_workspace(q, self.k_caches[i], meta.block_tables)
             attn = self._attention(i, q, k, v, meta, workspace)  # [T, Hq, Dh]
             hidden = ops.linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias)
+            if self.tp is not None:
+                self.tp.all_reduce_(hidden)
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, w.eps)
             act = ops.gate_up_silu(hidden, layer.gate_up)  # [T, I]
             hidden = ops.linear(act, layer.down)
+            if self.tp is not None:
+                self.tp.all_reduce_(hidden)
         ops.fused_add_rms_norm(hidden, residual, w.final_norm, w.eps)
         if logits_rows is not None:
             hidden = hidden[logits_rows]
-        return ops.linear(hidden, w.lm_head)
+        logits = ops.linear(hidden, w.lm_head)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, w.vocab_size)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: ForwardMetadata, workspace: torch.Tensor | None) -> torch.Tensor:

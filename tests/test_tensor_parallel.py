@@ -1,0 +1,129 @@
+"""Tensor parallelism (pagedkv.tensor_parallel): two ranks over gloo on the CPU give HF's greedy
+tokens for every architecture; sharding rules and refusals; on CUDA, one NCCL rank through the
+same code inside CUDA graphs (several GPUs: benchmarks/bench_tensor_parallel.py under torchrun)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pagedkv
+import tp_worker
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from models import _COMMON, ARCHITECTURES, tiny_model
+from pagedkv.models.llama import extract_weights
+from pagedkv.parallel import shard_weights
+
+
+def _spawn(fn, world_size: int, tmp_path, *args) -> list[dict]:
+    init_file = tmp_path / "rendezvous"
+    mp.spawn(fn, args=(world_size, str(init_file), *args), nprocs=world_size, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+
+
+def test_two_ranks_give_hf_greedy_tokens(tmp_path):
+    """fp32 on the CPU: the ranks' partial O/down sums change only the order of additions, so
+    greedy tokens stay HF's. Sampling: each rank seeds its own RNG differently, and still all
+    ranks draw the same tokens (the first rank's seeds are broadcast)."""
+    archs = sorted(ARCHITECTURES)
+    ranks = _spawn(tp_worker.run, 2, tmp_path, archs, str(tmp_path))
+    for arch in archs:
+        first, second = ranks[0][arch], ranks[1][arch]
+        assert torch.equal(first["plain"], first["hf"]), arch
+        assert torch.equal(first["tp"], first["hf"]), arch
+        assert torch.equal(second["tp"], first["tp"]), arch
+        assert torch.equal(second["sampled"], first["sampled"]), arch
+        assert first["kv_heads"] == first["model_kv_heads"] // 2, arch  # each rank caches its half
+
+
+def test_ranks_with_different_calls_refuse_together(tmp_path):
+    ranks = _spawn(tp_worker.run_mismatch, 2, tmp_path, str(tmp_path))
+    for r in ranks:
+        assert "rank(s) [1] of the tensor-parallel group got other prompts or generation settings" in r["error"]
+    assert torch.equal(ranks[0]["out"], ranks[1]["out"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shards_put_back_together_are_the_weights(world_size):
+    """Every weight row/column lands on exactly one rank: the ranks' shards, concatenated the way
+    the forward combines them, are the unsharded weights."""
+    # Qwen2 (QKV bias) with 4 kv heads, so that 4 ranks can split them; random values throughout.
+    model = Qwen2ForCausalLM(Qwen2Config(**{**_COMMON, "num_key_value_heads": 4}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    w = extract_weights(model)
+    shards = [shard_weights(w, r, world_size, torch.device("cpu")) for r in range(world_size)]
+    hd, hq, hkv = w.head_dim, w.num_heads // world_size, w.num_kv_heads // world_size
+    layer = w.layers[0]
+    for field in ("qkv", "qkv_bias"):
+        full = torch.split(getattr(layer, field), [w.num_heads * hd, w.num_kv_heads * hd, w.num_kv_heads * hd])
+        mine = [torch.split(getattr(s.layers[0], field), [hq * hd, hkv * hd, hkv * hd]) for s in shards]
+        for i, part in enumerate("qkv"):  # each rank's query heads, then its K and V rows
+            assert torch.equal(torch.cat([m[i] for m in mine]), full[i]), (field, part)
+    assert torch.equal(torch.cat([s.layers[0].o for s in shards], dim=1), layer.o)
+    assert torch.equal(torch.cat([s.layers[0].down for s in shards], dim=1), layer.down)
+    inter = layer.down.shape[1]
+    gates = torch.cat([s.layers[0].gate_up[:inter // world_size] for s in shards])
+    ups = torch.cat([s.layers[0].gate_up[inter // world_size:] for s in shards])
+    assert torch.equal(torch.cat([gates, ups]), layer.gate_up)
+    assert torch.equal(torch.cat([s.lm_head for s in shards])[:w.vocab_size], w.lm_head)
+    assert all(s.num_heads == hq and s.num_kv_heads == hkv for s in shards)
+
+
+def test_vocabulary_that_does_not_split_evenly_is_padded():
+    w = extract_weights(tiny_model("llama"))
+    w = type(w)(**{**{f: getattr(w, f) for f in w.__slots__}, "lm_head": w.lm_head[:255], "vocab_size": 255})
+    shards = [shard_weights(w, r, 2, torch.device("cpu")) for r in range(2)]
+    assert [s.lm_head.shape[0] for s in shards] == [128, 128]
+    assert torch.equal(torch.cat([s.lm_head for s in shards])[:255], w.lm_head)
+    assert (shards[1].lm_head[127] == 0).all()
+
+
+@pytest.mark.parametrize("world_size, what", [(3, "num_attention_heads = 4"), (4, "num_key_value_heads = 2")])
+def test_sizes_that_do_not_split_are_refused(world_size, what):
+    w = extract_weights(tiny_model("llama"))  # 4 query heads, 2 kv heads
+    with pytest.raises(pagedkv.UnsupportedModel, match=f"{what} does not split over {world_size} ranks"):
+        shard_weights(w, 0, world_size, torch.device("cpu"))
+
+
+def test_needs_an_initialised_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised; call "
+                                           "torch.distributed.init_process_group first"):
+        pagedkv.tensor_parallel(tiny_model("llama"), device="cpu")
+
+
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_refusals_with_one_rank(one_rank_gloo):
+    with pytest.raises(ValueError, match="device meta with the 'gloo' backend is not supported; allowed: "
+                                         "a CUDA device with 'nccl', or the CPU with 'gloo'"):
+        pagedkv.tensor_parallel(tiny_model("llama"), device="meta")
+    model = tiny_model("llama")
+    pagedkv.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)  # makes the plain runner
+    with pytest.raises(ValueError, match="pagedkv already runs this model"):
+        pagedkv.tensor_parallel(model, device="cpu")
+    sharded = pagedkv.tensor_parallel(tiny_model("llama"), device="cpu")
+    with pytest.raises(pagedkv.UnsupportedModel, match="pagedkv.LLM does not run tensor-parallel models yet"):
+        pagedkv.LLM(sharded, num_kv_blocks=8)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [False, True])
+def test_one_nccl_rank_on_cuda(tmp_path, graphs):
+    """The NCCL path on one GPU: all-reduce and all-gather inside the decode step's CUDA graph;
+    bf16 tokens equal the unsharded runner's (one rank: same products, same order)."""
+    ranks = _spawn(tp_worker.run, 1, tmp_path, ["qwen3", "llama_bias"], str(tmp_path), "nccl", "cuda",
+                   torch.bfloat16, graphs)
+    for arch, r in ranks[0].items():
+        assert torch.equal(r["tp"], r["plain"]), arch
+        assert r["kv_heads"] == r["model_kv_heads"], arch

@@ -1,0 +1,71 @@
+"""One rank of a tensor-parallel test run (torch.multiprocessing.spawn calls `run` per rank).
+
+Each rank builds the same tiny model (same seed), asks HF for its greedy tokens, shards the model
+with pagedkv.tensor_parallel and runs pagedkv.generate; it saves what it got for the parent test
+to compare across ranks and against HF.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import pagedkv
+from models import tiny_model
+
+LENGTHS = [5, 17, 1, 33]  # ragged, left-padded; 33 crosses two 16-token blocks
+
+
+def left_padded(lengths: list[int], vocab: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.int64)
+    mask = torch.zeros(len(lengths), width, dtype=torch.int64)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=generator)
+        mask[row, width - n:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def run(rank: int, world_size: int, init_file: str, archs: list[str], out_dir: str,
+        backend: str = "gloo", device: str = "cpu", dtype: torch.dtype = torch.float32,
+        graphs: bool | None = None) -> None:
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        for arch in archs:
+            model = tiny_model(arch, dtype=dtype, device=device)
+            ids, mask = left_padded(LENGTHS, model.config.vocab_size, device, seed=1)
+            greedy = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
+            hf = model.generate(ids, attention_mask=mask, **greedy).cpu()
+            plain = pagedkv.generate(tiny_model(arch, dtype=dtype, device=device), ids, attention_mask=mask,
+                                     use_cuda_graphs=graphs, **greedy).cpu()
+            pagedkv.tensor_parallel(model, device=device)
+            tp = pagedkv.generate(model, ids, attention_mask=mask, use_cuda_graphs=graphs, **greedy).cpu()
+            torch.manual_seed(100 + rank)  # each rank's own RNG: the first rank's seeds must win
+            sampled = pagedkv.generate(model, ids, attention_mask=mask, max_new_tokens=12, do_sample=True,
+                                       top_k=50, use_cuda_graphs=graphs).cpu()
+            cache = pagedkv.kv_cache_of(model)
+            results[arch] = dict(hf=hf, plain=plain, tp=tp, sampled=sampled,
+                                 kv_heads=cache.spec.num_kv_heads, model_kv_heads=model.config.num_key_value_heads)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_mismatch(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """Rank 1 asks for a different max_new_tokens: both ranks must refuse with ValueError."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model = pagedkv.tensor_parallel(tiny_model("llama"), device="cpu")
+        ids, mask = left_padded([4, 6], model.config.vocab_size, "cpu", seed=2)
+        error = ""
+        try:
+            pagedkv.generate(model, ids, attention_mask=mask, max_new_tokens=5 + rank, do_sample=False)
+        except ValueError as e:
+            error = str(e)
+        # The group still works after the refusal: a matching call runs.
+        out = pagedkv.generate(model, ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        torch.save(dict(error=error, out=out), f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
