@@ -102,12 +102,13 @@ def main() -> None:
         title = (f"W1{' (--small)' if args.small else ''} on {world} x {gpu}: ms per decode step, prompt {PROMPT}, "
                  f"{new} new tokens (bench_tensor_parallel)")
         unit = "GPU" if cuda else "CPU rank"
-        header = ["batch", f"HF eager, 1 {unit}", f"pagedkv, 1 {unit}", f"pagedkv, {world} {unit}s (tensor parallel)",
-                  f"speed-up of {world} {unit}s over 1", "speed-up over HF eager"]
+        ranks = f"{world} {unit}{'s' if world > 1 else ''}"
+        header = ["batch", f"HF eager, 1 {unit}", f"pagedkv, 1 {unit}", f"pagedkv, {ranks} (tensor parallel)",
+                  f"speed-up of {ranks} over 1", "speed-up over HF eager"]
         save_table(args.out, "bench_tensor_parallel", title,
                    markdown_table(header, rows) + "\n\n" + "\n".join(f"- {a}" for a in agreement))
         save_bar_plot(args.out, "bench_tensor_parallel", title, [f"batch {b}" for b in batches],
-                      {f"pagedkv, 1 {unit}": [r[2] for r in rows], f"pagedkv, {world} {unit}s": [r[3] for r in rows]},
+                      {f"pagedkv, 1 {unit}": [r[2] for r in rows], f"pagedkv, {ranks}": [r[3] for r in rows]},
                       "ms per decode step")
     dist.barrier()
     dist.destroy_process_group()

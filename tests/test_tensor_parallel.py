@@ -39,6 +39,20 @@ def test_two_ranks_give_hf_greedy_tokens(tmp_path):
         assert first["kv_heads"] == first["model_kv_heads"] // 2, arch  # each rank caches its half
 
 
+def test_engine_on_two_ranks(tmp_path):
+    """pagedkv.LLM: the same greedy tokens as the unsharded engine through chunked prefills,
+    prefix-cache hits and preemptions; sampled tokens the same on both ranks."""
+    archs = ["qwen3", "llama_bias"]
+    ranks = _spawn(tp_worker.run_engine, 2, tmp_path, archs, str(tmp_path))
+    for arch in archs:
+        first, second = ranks[0][arch], ranks[1][arch]
+        assert first["got"] == first["expected"], arch
+        assert second["got"] == first["got"], arch
+        assert second["sampled"] == first["sampled"], arch
+        assert first["blocks"] == second["blocks"] == 12, arch  # the smaller budget: rank 0's
+        assert first["preemptions"] > 0, arch
+
+
 def test_ranks_with_different_calls_refuse_together(tmp_path):
     ranks = _spawn(tp_worker.run_mismatch, 2, tmp_path, str(tmp_path))
     for r in ranks:
@@ -112,9 +126,6 @@ def test_refusals_with_one_rank(one_rank_gloo):
     pagedkv.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)  # makes the plain runner
     with pytest.raises(ValueError, match="pagedkv already runs this model"):
         pagedkv.tensor_parallel(model, device="cpu")
-    sharded = pagedkv.tensor_parallel(tiny_model("llama"), device="cpu")
-    with pytest.raises(pagedkv.UnsupportedModel, match="pagedkv.LLM does not run tensor-parallel models yet"):
-        pagedkv.LLM(sharded, num_kv_blocks=8)
 
 
 @pytest.mark.cuda
@@ -127,3 +138,13 @@ def test_one_nccl_rank_on_cuda(tmp_path, graphs):
     for arch, r in ranks[0].items():
         assert torch.equal(r["tp"], r["plain"]), arch
         assert r["kv_heads"] == r["model_kv_heads"], arch
+
+
+@pytest.mark.cuda
+def test_engine_on_one_nccl_rank(tmp_path):
+    """pagedkv.LLM's CUDA-graph decode steps with the collectives inside, bf16: one rank gives
+    the unsharded engine's tokens."""
+    ranks = _spawn(tp_worker.run_engine, 1, tmp_path, ["qwen3"], str(tmp_path), "nccl", "cuda", torch.bfloat16)
+    result = ranks[0]["qwen3"]
+    assert result["got"] == result["expected"]
+    assert result["preemptions"] > 0

@@ -69,3 +69,36 @@ def run_mismatch(rank: int, world_size: int, init_file: str, out_dir: str) -> No
         torch.save(dict(error=error, out=out), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def run_engine(rank: int, world_size: int, init_file: str, archs: list[str], out_dir: str,
+               backend: str = "gloo", device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """pagedkv.LLM on a sharded model: chunked prefills (32 tokens a step), a shared prefix, ranks
+    asking for different cache budgets (the engine takes the smallest), sampled requests without
+    seeds (the generator differs per rank until the engine agrees on rank 0's)."""
+    import random
+
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        generator = torch.Generator().manual_seed(3)
+        shared = torch.randint(3, 256, (20,), generator=generator).tolist()
+        prompts = [shared + torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 40, 1, 70)]
+        prompts.append(torch.randint(3, 256, (9,), generator=generator).tolist())
+        greedy = pagedkv.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        sampled = pagedkv.SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, ignore_eos=True)
+        options = dict(max_num_seqs=4, max_num_batched_tokens=32)
+        for arch in archs:
+            plain = pagedkv.LLM(tiny_model(arch, dtype=dtype, device=device), num_kv_blocks=12, **options)
+            expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+            random.seed(rank)
+            sharded = pagedkv.tensor_parallel(tiny_model(arch, dtype=dtype, device=device), device=device)
+            llm = pagedkv.LLM(sharded, kv_cache_memory=(12 + 4 * rank) * plain.cache.spec.bytes_per_block // world_size,
+                              **options)
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            drawn = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+            results[arch] = dict(expected=expected, got=got, sampled=drawn, blocks=llm.cache.num_blocks,
+                                 preemptions=llm.stats.num_preemptions)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -25,6 +25,7 @@ import torch
 
 from pagedkv import ops
 from pagedkv.cache import KVCache
+from pagedkv.cache_spec import KVCacheSpec, num_blocks_for
 from pagedkv.decode_graphs import DecodeGraphs
 from pagedkv.models.llama import ForwardMetadata, PagedDecoder
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -34,7 +35,7 @@ from pagedkv.runner import BATCH_BUCKETS, runner_for
 from pagedkv.sampling_batch import SamplingBatch
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.scheduler import Scheduler, SchedulerOutput
-from pagedkv.support import UnsupportedModel, attention_window, check_supported
+from pagedkv.support import attention_window, check_supported
 
 @dataclasses.dataclass(slots=True)
 class EngineStats:
@@ -77,9 +78,10 @@ class LLM:
         check_supported(model)
         self.model = model
         runner = runner_for(model)  # the weights, fused once and shared with generate()
-        if runner.tp is not None:
-            raise UnsupportedModel("pagedkv.LLM does not run tensor-parallel models yet; "
-                                   "pagedkv.generate does (this model went through pagedkv.tensor_parallel)")
+        # Tensor parallel (pagedkv.tensor_parallel): every rank runs this engine on the same
+        # requests and must schedule them alike, so the ranks agree on the cache's block count
+        # and draw request seeds from one generator.
+        self.tp = runner.tp
         self.device = runner.device
         limit = runner.max_positions
         window = attention_window(model)
@@ -87,6 +89,9 @@ class LLM:
             limit = min(limit, window)
         sizing = self._cache_sizing(kv_cache_memory, num_kv_blocks)
         w = runner.weights
+        if self.tp is not None:
+            spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, runner.dtype, block_size)
+            sizing = {"num_blocks": self.tp.min_over_ranks(num_blocks_for(spec, self.device, **sizing))}
         self.cache = KVCache(len(w.layers), w.num_kv_heads, w.head_dim, dtype=runner.dtype,
                              block_size=block_size, device=self.device,
                              max_seq_len=min(limit, max_model_len or limit), max_batch_size=max_num_seqs,
@@ -97,7 +102,8 @@ class LLM:
             raise ValueError(f"pagedkv.LLM: max_model_len {max_model_len} is more than the model's limit "
                              f"({limit}) or the KV cache's capacity ({capacity} tokens)")
         self.max_model_len = max_model_len or min(limit, capacity)
-        self.decoder = PagedDecoder(w, runner.cos_sin, self.cache.k_caches, self.cache.v_caches)
+        self.decoder = PagedDecoder(w, runner.cos_sin, self.cache.k_caches, self.cache.v_caches,
+                                    tp=self.tp)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if graphs and self.device.type != "cuda":
@@ -109,6 +115,12 @@ class LLM:
             eos = model.config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.sampling = SamplingBatch(self.device)
+        # Seeds of requests that name none; from Python's global generator, so random.seed()
+        # before making the engine reproduces a run (under tensor parallelism, rank 0's).
+        seed = random.getrandbits(62)
+        if self.tp is not None:
+            seed = self.tp.min_over_ranks(seed if self.tp.rank == 0 else 2**62)
+        self._seed_rng = random.Random(seed)
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
@@ -155,7 +167,7 @@ class LLM:
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"pagedkv.LLM: request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else random.getrandbits(62) - params.n
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62) - params.n
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         stop_ids = frozenset(params.stop_token_ids) | eos
         request = Request(request_id, text, ids, params, max(seed, 0),

@@ -4,6 +4,9 @@
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)  # on the CPU
     pagedkv.tensor_parallel(model)                         # this rank's shard -> cuda:LOCAL_RANK
     out = pagedkv.generate(model, input_ids.to(f"cuda:{local_rank}"), max_new_tokens=64)
+    llm = pagedkv.LLM(model, ...)                          # or serve many requests
+
+Every rank makes the same calls with the same arguments and gets the same tokens back.
 
 Megatron's split of a Llama-family layer, so each layer costs two all-reduces and no other
 exchange: QKV and gate/up are split by output rows (each rank owns Hq/n query heads, Hkv/n kv
@@ -50,9 +53,13 @@ class TensorParallel:
 
     def all_true(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on every rank (so all ranks raise together)."""
-        x = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        return bool(self.min_over_ranks(int(flag)))
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of the ranks' `value`s, on every rank."""
+        x = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(x.item())
+        return int(x.item())
 
     def check_same(self, what: str, values: list[int]) -> None:
         """Raise ValueError on every rank unless all ranks passed the same `values` (a digest of
@@ -136,10 +143,11 @@ def _default_device(world_rank: int) -> torch.device:
 
 def tensor_parallel(model, group: dist.ProcessGroup | None = None,
                     device: torch.device | str | None = None):
-    """Shard `model` over the ranks of `group` (default: the whole world) for pagedkv.generate.
+    """Shard `model` over the ranks of `group` (default: the whole world) for pagedkv.generate
+    and pagedkv.LLM.
 
-    Every rank calls this, then generate() with the same arguments, input_ids on `device`; every
-    rank returns the same tokens. `model` may stay where it was loaded (the CPU, typically): this
+    Every rank calls this, then generate() (input_ids on `device`) or an LLM's methods with the
+    same arguments; every rank returns the same tokens. `model` may stay where it was loaded (the CPU, typically): this
     rank's shard is copied to `device` (default cuda:LOCAL_RANK, or the CPU without CUDA). Needs
     torch.distributed initialised. Returns the model."""
     from pagedkv.runner import ModelRunner  # the runner imports this module's TensorParallel
