@@ -165,10 +165,10 @@ class ModelRunner:
             raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
                              f"max_position_embeddings is {self.max_positions}; prompt + "
                              f"max_new_tokens must be <= {self.max_positions}")
-        # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
-        # step advances to (never run) inside the row's blocks, so no step indexes past them.
         if self.tp is not None:
             self.tp.check_same("prompts or generation settings", _call_digest(prompts, settings))
+        # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
+        # step advances to (never run) inside the row's blocks, so no step indexes past them.
         lengths = [len(p) + max_new for p in prompts]
         blocks_per_row = [math.ceil(n / BLOCK_SIZE) for n in lengths]
         cache = self._ensure_cache(sum(blocks_per_row), batch, longest)
