@@ -98,7 +98,8 @@ def run_engine(rank: int, world_size: int, init_file: str, archs: list[str], out
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
             drawn = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
             results[arch] = dict(expected=expected, got=got, sampled=drawn, blocks=llm.cache.num_blocks,
-                                 preemptions=llm.stats.num_preemptions)
+                                 preemptions=llm.stats.num_preemptions,
+                                 cached_tokens=llm.stats.num_cached_prompt_tokens)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
