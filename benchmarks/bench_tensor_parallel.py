@@ -72,12 +72,16 @@ def main() -> None:
     pagedkv.tensor_parallel(model, device=torch.device(device, torch.cuda.current_device()) if cuda else "cpu")
     sharded = model._pagedkv_runner
 
+    def prompt_ids(batch: int) -> torch.Tensor:  # the same prompts for every system and rank
+        generator = torch.Generator().manual_seed(batch)
+        return torch.randint(3, model.config.vocab_size, (batch, PROMPT), generator=generator).to(device)
+
     def run_pagedkv(ids, n):
         return pagedkv.generate(model, ids, max_new_tokens=n, do_sample=False)
 
     tp_ms, tp_tokens = {}, {}
     for batch in batches:
-        ids = torch.randint(3, model.config.vocab_size, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+        ids = prompt_ids(batch)
         tp_ms[batch] = per_step_ms(run_pagedkv, ids, device, new)
         tp_tokens[batch] = run_pagedkv(ids, new)[:, PROMPT:].cpu()
         if rank == 0:
@@ -87,7 +91,7 @@ def main() -> None:
         model._pagedkv_runner = ModelRunner(model)
         rows, agreement = [], []
         for batch in batches:
-            ids = torch.randint(3, model.config.vocab_size, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+            ids = prompt_ids(batch)
             one_ms = per_step_ms(run_pagedkv, ids, device, new)
             one_tokens = run_pagedkv(ids, new)[:, PROMPT:].cpu()
             agreement.append(f"batch {batch}: " + describe_agreement(

@@ -117,10 +117,10 @@ class LLM:
         self.sampling = SamplingBatch(self.device)
         # Seeds of requests that name none; from Python's global generator, so random.seed()
         # before making the engine reproduces a run (under tensor parallelism, rank 0's).
-        seed = random.getrandbits(62)
+        seed = torch.tensor([random.getrandbits(62)], dtype=torch.int64)
         if self.tp is not None:
-            seed = self.tp.min_over_ranks(seed if self.tp.rank == 0 else 2**62)
-        self._seed_rng = random.Random(seed)
+            seed = self.tp.broadcast_(seed.to(self.tp.device))
+        self._seed_rng = random.Random(int(seed.item()))
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
