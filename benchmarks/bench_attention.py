@@ -10,7 +10,7 @@ costs in DRAM locality). Side by side in one run:
   one query row per sequence and no split of the context: how fast an mma.sync path with K/V
   tiles staged in shared memory reads the cache where the grid is full (large batches), the
   question for a tensor-core decode kernel (head-major storage, measured here before, read no
-  faster than the [block, kv_heads] layout: docs/measurements.md);
+  faster than the [block, kv_heads] layout: lab/measurements.md);
 - dense SDPA on a contiguous cache (no gather): the bar for "paging costs nothing";
 - pagedkv over dense SDPA's own tensors (each [B, Hkv, S, D] read as 16-row blocks through the
   cache strides): the kernel on the same bytes in the same order, so the gap to dense SDPA splits

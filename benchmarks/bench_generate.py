@@ -8,13 +8,13 @@ launches per step, speed-up over HF eager and over the compiled decoder.
                                         [--compiled-mode reduce-overhead|max-autotune]
 
 Per-step time = (time of generate with 1 + N new tokens - time with 1) / N: prefill excluded.
-The compiled decoder (pagedkv.baselines.StaticCacheDecoder: gpt-fast's recipe, torch.compile
+The compiled decoder (pagedkv.tools.baselines.StaticCacheDecoder: gpt-fast's recipe, torch.compile
 over a static cache, mode reduce-overhead unless --compiled-mode says max-autotune; on CUDA only,
 compiled once per batch, 1-2 minutes each) is what BENCHMARKS.md calls the best compiled PyTorch
 decoder; --no-compiled leaves it out. Its greedy tokens and HF eager's are compared with pagedkv's.
 --hf-static adds HF's static cache (auto-compiled; slow to compile). --small uses a 2-layer
 model of the same widths (smoke test, also on CPU). --pagedkv-only leaves HF out (for A/B runs of
-pagedkv changes, scripts/gpu_ab.sh, whose A side has HF's rows; the speed-up columns are empty).
+pagedkv changes, lab/gpu_ab.sh, whose A side has HF's rows; the speed-up columns are empty).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 from timing import copy_bandwidth_gbs  # noqa: E402
 
 import pagedkv  # noqa: E402
-from pagedkv.baselines import StaticCacheDecoder  # noqa: E402
+from pagedkv.tools.baselines import StaticCacheDecoder  # noqa: E402
 
 W1 = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
           num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,

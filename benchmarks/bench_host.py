@@ -136,9 +136,9 @@ def instrument(llm: pagedkv.LLM, timer: PhaseTimer) -> None:
     for name in CACHE_METHODS:
         setattr(llm.cache, name, timer.wrap("cache", getattr(llm.cache, name)))
     llm.cache.build_metadata = timer.wrap("metadata", llm.cache.build_metadata)
-    llm._sample = timer.wrap("sampling", llm._sample)
-    llm.decoder = StubDecoder(llm.scheduler.max_num_batched_tokens, VOCAB, llm.device)
-    llm.decoder.forward = timer.wrap("device", synced(llm.decoder.forward))
+    llm.sampling.prepare = timer.wrap("sampling", llm.sampling.prepare)
+    llm.runner.decoder = StubDecoder(llm.scheduler.max_num_batched_tokens, VOCAB, llm.device)
+    llm.runner.decoder.forward = timer.wrap("device", synced(llm.runner.decoder.forward))
     llm.step = timer.wrap("bookkeeping", llm.step)
 
 

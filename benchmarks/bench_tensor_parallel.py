@@ -29,7 +29,7 @@ from bench_generate import NEW, PROMPT, build_model, describe_agreement, first_d
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 
 import pagedkv  # noqa: E402
-from pagedkv.runner import ModelRunner  # noqa: E402
+from pagedkv.runtime.model import PREPARED_ATTR, PreparedModel  # noqa: E402
 
 
 def relaunch_under_torchrun(ranks: int) -> None:
@@ -70,7 +70,7 @@ def main() -> None:
     if not same_weights_everywhere(model, device):
         raise SystemExit("bench_tensor_parallel: the ranks built different random weights")
     pagedkv.tensor_parallel(model, device=torch.device(device, torch.cuda.current_device()) if cuda else "cpu")
-    sharded = model._pagedkv_runner
+    sharded = getattr(model, PREPARED_ATTR)
 
     def prompt_ids(batch: int) -> torch.Tensor:  # the same prompts for every system and rank
         generator = torch.Generator().manual_seed(batch)
@@ -88,7 +88,7 @@ def main() -> None:
             print(f"batch {batch}: pagedkv on {world} ranks {tp_ms[batch]:.2f} ms/step", flush=True)
 
     if rank == 0:  # this GPU alone: a runner of the whole model, and HF
-        model._pagedkv_runner = ModelRunner(model)
+        setattr(model, PREPARED_ATTR, PreparedModel.of(model))
         rows, agreement = [], []
         for batch in batches:
             ids = prompt_ids(batch)
@@ -101,7 +101,7 @@ def main() -> None:
                 hf_ms = per_step_ms(lambda i, n: model.generate(i, max_new_tokens=n, do_sample=False), ids, device, new)
             rows.append([batch, hf_ms, one_ms, tp_ms[batch], one_ms / tp_ms[batch], hf_ms / tp_ms[batch]])
             print(f"batch {batch}: one rank alone {one_ms:.2f} ms/step, HF {hf_ms:.2f}", flush=True)
-        model._pagedkv_runner = sharded
+        setattr(model, PREPARED_ATTR, sharded)
         gpu = torch.cuda.get_device_name() if cuda else "CPU"
         title = (f"W1{' (--small)' if args.small else ''} on {world} x {gpu}: ms per decode step, prompt {PROMPT}, "
                  f"{new} new tokens (bench_tensor_parallel)")

@@ -23,6 +23,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from report import markdown_table, save_table  # noqa: E402
+from throughput_bound import matmul_tflops, w2_bound_seconds  # noqa: E402
+from timing import copy_bandwidth_gbs  # noqa: E402
 
 import pagedkv  # noqa: E402
 
@@ -193,15 +195,26 @@ def main() -> None:
             hf_note = f"HF generate_batch unavailable here: {type(error).__name__}: {error}"
             print(hf_note)
     hf = results.get("HF generate_batch (paged|sdpa)")
+    bound_note, bound = "", None
+    if device == "cuda":
+        copy_gbs, tflops = copy_bandwidth_gbs(device), matmul_tflops(device)
+        decode_s, prefill_s = w2_bound_seconds(model, prompts, max_tokens, copy_gbs, tflops)
+        bound = sum(max_tokens) / (decode_s + prefill_s)
+        bound_note = (f"\n\nBound (benchmarks/throughput_bound.py): {bound:,.0f} tok/s = every decode step "
+                      f"reads the weights and each running sequence's K/V once at the measured copy "
+                      f"bandwidth {copy_gbs:.0f} GB/s, all requests running from the first step "
+                      f"({decode_s:.2f} s), plus the prompts' FLOPs at {tflops:.0f} TFLOP/s ({prefill_s:.2f} s)")
     rows = []
     for name, (seconds, tokens) in results.items():
         rate = tokens / seconds
         rows.append([name, tokens, round(seconds, 2), round(rate, 1),
-                     f"{rate / (hf[1] / hf[0]):.2f}x" if hf else "-"])
+                     f"{rate / (hf[1] / hf[0]):.2f}x" if hf else "-",
+                     f"{100 * rate / bound:.0f}%" if bound else "-"])
     shape = "small (2 layers, CPU)" if args.small else "Qwen3-0.6B shape, bf16"
     title = (f"W2: {args.num_requests} requests, prompt/output lengths uniform in [{lo}, {hi}], "
-             f"{shape}, {device}, torch {torch.__version__}" + (f"\n\n{hf_note}" if hf_note else ""))
-    table = markdown_table(["system", "output tokens", "seconds", "tok/s", "vs HF"], rows)
+             f"{shape}, {device}, torch {torch.__version__}" + (f"\n\n{hf_note}" if hf_note else "")
+             + bound_note)
+    table = markdown_table(["system", "output tokens", "seconds", "tok/s", "vs HF", "of the bound"], rows)
     save_table(args.out, "bench_throughput", title, table)
     print("plot:", save_rate_plot(args.out, curves))
 

@@ -1,5 +1,7 @@
-// Argument checks of paged_decode_attention, shared by the CPU and CUDA implementations so both
-// reject a bad call with the same message.
+// Argument checks of the paged attention ops: the cache-side contract that paged_decode_attention
+// and paged_prefill_attention share, and the decode op's own (the prefill op's are in
+// paged_prefill_attention_checks.h). Shared by the CPU and CUDA implementations so both reject a
+// bad call with the same message.
 #pragma once
 #include <torch/types.h>
 

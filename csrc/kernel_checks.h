@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "checks.h"
-#include "kernels/decode_rows_rule.h"
+#include "kernels/advance_decode_rows_rule.h"
 
 namespace pagedkv {
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 import pagedkv
-from pagedkv.default_model import load_default_model
+from pagedkv.tools.default_model import load_default_model
 
 PROMPTS = [
     "What is the capital of France?",

@@ -34,9 +34,10 @@ TIMEOUT=${SANITIZE_TIMEOUT:-540}
 
 files_of() {
   case "$1" in
-    decode) echo tests/test_paged_attention.py tests/test_rope.py tests/test_copy_blocks.py ;;
+    decode) echo tests/test_paged_decode_attention.py tests/test_rope.py tests/test_copy_blocks.py ;;
     prefill) echo tests/test_paged_prefill_attention.py ;;
-    dense) echo tests/test_activation.py tests/test_norm.py tests/test_sampling.py tests/test_linear.py tests/test_decode_rows.py ;;
+    dense) echo tests/test_activation.py tests/test_rms_norm.py tests/test_sampling.py \
+             tests/test_linear.py tests/test_advance_decode_rows.py ;;
     all) echo "$(files_of decode) $(files_of prefill) $(files_of dense)" ;;
     *) echo "gpu_sanitize.sh: unknown group '$1' (decode, prefill, dense, all)" >&2; exit 2 ;;
   esac

@@ -1,5 +1,5 @@
-"""pagedkv.baselines.StaticCacheDecoder, the compiled PyTorch decoder that bench_generate and
-pagedkv.profile time pagedkv against: its greedy tokens equal HF generate's for every
+"""pagedkv.tools.baselines.StaticCacheDecoder, the compiled PyTorch decoder that bench_generate and
+pagedkv.tools.profile time pagedkv against: its greedy tokens equal HF generate's for every
 architecture pagedkv runs (fp32, CPU, eager), its decode step traces as one graph, and bad
 arguments are refused."""
 
@@ -10,7 +10,7 @@ import torch
 
 from models import ARCHITECTURES, tiny_model
 
-from pagedkv.baselines import StaticCacheDecoder
+from pagedkv.tools.baselines import StaticCacheDecoder
 
 
 def hf_new_tokens(model, ids: torch.Tensor, new: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, Qwen2Config
 import pagedkv
 from conftest import DEVICES
 from pagedkv import CacheFull, KVCache, KVCacheSpec
-from pagedkv.cache_spec import free_memory_bytes, num_blocks_for
+from pagedkv.cache.spec import free_memory_bytes, num_blocks_for
 
 BLOCK_SIZES = [1, 4, 16]
 

@@ -9,7 +9,7 @@ import torch
 import pagedkv
 
 pytest.importorskip("gguf", reason="the default model loads through gguf")
-default_model = pytest.importorskip("pagedkv.default_model")
+default_model = pytest.importorskip("pagedkv.tools.default_model")
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Count from one to ten."]
 

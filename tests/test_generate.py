@@ -145,16 +145,19 @@ def test_bad_inputs_are_named():
 def test_padding_rows_of_a_bucket_are_inert():
     """A batch of 3 in a 4-row bucket (CUDA graphs pad to buckets): the spare row must not
     index anything. Exercised on the CPU through the eager path with a padded state."""
-    from pagedkv.decode_state import DecodeState
+    from pagedkv.runtime.decode_state import DecodeState
 
     state = DecodeState.allocate(4, 2, None, 16, torch.device("cpu"))
-    state.block_tables[:3] = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
-    lens = torch.tensor([5, 17, 9, 0], dtype=torch.int32)
-    state.positions.copy_((lens - 1).clamp(min=0))
-    state.context_lens.copy_(lens)
-    state.advance(torch.tensor([7, 8, 9, 0]))
+    state.block_tables.fill_(7)  # stale rows of an earlier call
+    state.start(torch.tensor([5, 17, 9], dtype=torch.int32),
+                torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32))
+    assert state.positions.tolist() == [4, 16, 8, 0] and state.context_lens.tolist() == [5, 17, 9, 0]
+    assert state.block_tables[3].tolist() == [0, 0]
+    offsets = torch.zeros(4, dtype=torch.int64)
+    state.advance(torch.tensor([7, 8, 9, 0]), offsets)
     assert state.slot_mapping.tolist() == [5, 3 * 16 + 1, 4 * 16 + 9, -1]
     assert state.context_lens.tolist() == [6, 18, 10, 0]
+    assert state.tokens.tolist()[:3] == [7, 8, 9] and offsets.tolist()[:3] == [1, 1, 1]
 
 
 @pytest.mark.cuda

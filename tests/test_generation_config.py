@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from pagedkv.generation_config import UnsupportedGenerationArgument, resolve_generation
+from pagedkv.hf.generation_config import UnsupportedGenerationArgument, resolve_generation
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pagedkv
+import pagedkv.runtime.fixed_batch
 from pagedkv import SamplingParams
 from pagedkv.models.llama import PagedDecoder
 from limits import (GREEDY, MAX_NEW, assert_generate_works, assert_llm_works, gen,
@@ -43,7 +44,7 @@ def test_out_of_blocks_generate_refused_before_any_work(gen, monkeypatch):
     forwards = []
     original = PagedDecoder.forward
     monkeypatch.setattr(PagedDecoder, "forward", lambda self, *a, **k: forwards.append(1) or original(self, *a, **k))
-    monkeypatch.setattr(pagedkv.runner, "free_memory_bytes", lambda device: 0)
+    monkeypatch.setattr(pagedkv.runtime.fixed_batch, "free_memory_bytes", lambda device: 0)
     streamer = RaisingStreamer(at=0, error=Boom())
     with pytest.raises(pagedkv.CacheFull, match=rf"the batch needs {32 * rows} KV-cache blocks \(.* MiB: "
                                                 rf"{rows} rows of up to 512 tokens, prompt \+ max_new_tokens\) "

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from conftest import DEVICES
 from pagedkv import ops
-from test_paged_attention import _device_params, head_major, shuffled_table
+from test_paged_decode_attention import _device_params, head_major, shuffled_table
 from tolerance import assert_close_to_baseline
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""python -m pagedkv.profile on the CPU with a tiny model: the table, the JSON and the traces."""
+"""python -m pagedkv.tools.profile on the CPU with a tiny model: the table, the JSON and the traces."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pagedkv import profile
+from pagedkv.tools import profile
 
 
 def test_profile_cli_compares_with_hf(tmp_path, capsys):
@@ -51,7 +51,7 @@ def test_profile_cli_refuses_an_unknown_comparison():
 
 
 def test_idle_gaps_are_charged_to_the_kernel_that_ends_them():
-    from pagedkv.profiling import _gaps_before
+    from pagedkv.tools.profiling import _gaps_before
 
     # (start us, end us, name), out of order; c overlaps b, so no idle time before c.
     kernels = [(40.0, 50.0, "b"), (0.0, 10.0, "a"), (18.0, 30.0, "c"), (15.0, 20.0, "b")]
@@ -63,7 +63,7 @@ def test_idle_gaps_are_charged_to_the_kernel_that_ends_them():
 
 
 def test_the_quietest_run_is_the_one_with_least_device_idle():
-    from pagedkv.profiling import RunTrace, quietest
+    from pagedkv.tools.profiling import RunTrace, quietest
 
     def run(wall, idle):
         return RunTrace(wall, 1.0, 1.0, 1, 0, 0, 0, {"k": (1.0, 1)}, {},

@@ -13,7 +13,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from conftest import DEVICES
 from pagedkv import ops
-from pagedkv.rope import build_cos_sin_cache
+from pagedkv.layers.rotary import build_cos_sin_cache
 from tolerance import assert_close_to_baseline
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from pagedkv import KVCache, SamplingParams
-from pagedkv.outputs import RequestMetrics
-from pagedkv.request import Request, Sequence, Status
-from pagedkv.scheduler import ScheduledRow, Scheduler
+from pagedkv.engine.outputs import RequestMetrics
+from pagedkv.engine.request import Request, Sequence, Status
+from pagedkv.engine.scheduler import ScheduledRow, Scheduler
 
 BLOCK = 16
 

@@ -8,7 +8,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from pagedkv.support import attention_window, supports, unsupported_reason
+from pagedkv.models.registry import attention_window, supports, unsupported_reason
 
 SMALL = dict(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=2, num_key_value_heads=1)  # head_dim 64

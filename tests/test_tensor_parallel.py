@@ -14,7 +14,7 @@ import pagedkv
 import tp_worker
 from models import _COMMON, ARCHITECTURES, tiny_model
 from pagedkv.models.llama import extract_weights
-from pagedkv.parallel import shard_weights
+from pagedkv.models.sharding import shard_weights
 
 
 def _spawn(fn, world_size: int, tmp_path, *args) -> list[dict]:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 TESTS = pathlib.Path(__file__).resolve().parent
-SELECTION = ["tests/test_norm.py", "tests/test_activation.py", "-k", "float32 or bfloat16"]
+SELECTION = ["tests/test_rms_norm.py", "tests/test_activation.py", "-k", "float32 or bfloat16"]
 
 
 def collect(*shards: str | None) -> list[tuple[int, list[str]]]:

@@ -21,7 +21,7 @@ void linear_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x);  // cpu/activation.cpp
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x);  // cpu/silu_and_mul.cpp
 
 void gate_up_silu_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up) {
   check_gate_up_silu_args(out, x, gate_up);

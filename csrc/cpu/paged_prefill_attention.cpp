@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "cpu/table_checks.h"
-#include "kernels/paged_prefill_plan.h"
-#include "prefill_checks.h"
+#include "kernels/paged_prefill_attention_plan.h"
+#include "paged_prefill_attention_checks.h"
 
 namespace pagedkv {
 namespace {

@@ -8,7 +8,7 @@
 #include "cuda/paged_attention_args.h"
 #include "cuda/torch_utils.h"
 #include "kernels/paged_prefill_attention.h"
-#include "prefill_checks.h"
+#include "paged_prefill_attention_checks.h"
 
 namespace pagedkv {
 void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

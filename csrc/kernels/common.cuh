@@ -54,7 +54,7 @@ __device__ __forceinline__ float block_sum(float x) {
 
 // 16 bytes read once per call (a K/V row piece of paged decode attention): skips L1
 // (no_allocate), and a miss asks L2 for the whole 256-byte window around it (a token's row of one
-// kv head at head_dim 128, bf16). scripts/read_probe.cu times loads through it too.
+// kv head at head_dim 128, bf16). lab/read_probe.cu times loads through it too.
 __device__ __forceinline__ uint4 load16_stream(const void* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"

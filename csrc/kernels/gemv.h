@@ -10,7 +10,7 @@
 namespace pagedkv::kernels {
 
 // Largest number of rows of x the CUDA-core kernel (gemv, gemv_silu_mul) handles. Measured on an
-// H100 (docs/measurements.md): 1-2 rows beat cuBLAS by 4-9%, 4 rows tie, 8 rows lose 19%.
+// H100 (lab/measurements.md): 1-2 rows beat cuBLAS by 4-9%, 4 rows tie, 8 rows lose 19%.
 constexpr int kGemvMaxRows = 2;
 // Largest number of rows of the tensor-core kernel (gemv_mma: one m16n8k16 n-tile); the launcher
 // sends kGemvMaxRows + 1 .. kGemvMmaMaxRows rows there and more rows to cuBLAS. Measured on an

@@ -94,7 +94,7 @@ __device__ __forceinline__ float unpack2_sum(uint32_t r, __half) {
 }
 
 // 16 bytes to shared memory, bypassing L1, a miss asking L2 for the 256-byte window around them
-// (paged decode's K/V row pieces, read once; scripts/read_probe.cu times it too).
+// (paged decode's K/V row pieces, read once; lab/read_probe.cu times it too).
 __device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));

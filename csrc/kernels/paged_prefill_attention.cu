@@ -2,21 +2,21 @@
 // chunk, tile of query tokens) whose 64 rows are (token, query head) pairs of the kv head's group,
 // so each K/V tile read into shared memory through the block table serves the whole group (GQA).
 // The CTA walks the context's keys up to its last token's position with an fp32 online softmax.
-// bf16/fp16 run on tensor cores (paged_prefill_mma.cuh), fp32 on CUDA cores
-// (paged_prefill_simt.cuh). The grid follows the batch's tokens (flat tiles, see cta_work), and
-// tiles are ordered latest first (they have the most keys), so the long CTAs start first.
-// A batch of few new tokens over a long context gives few CTAs that each walk the whole context:
-// there the keys of each 128-row CTA are split over several CTAs (args.num_splits, which the caller
-// takes from paged_prefill_num_splits to size the workspace), whose partials a second launch
-// merges (paged_prefill_merge.cuh).
+// bf16/fp16 run on tensor cores (paged_prefill_attention_mma.cuh), fp32 on CUDA cores
+// (paged_prefill_attention_simt.cuh). The grid follows the batch's tokens (flat tiles, see
+// cta_work), and tiles are ordered latest first (they have the most keys), so the long CTAs start
+// first. A batch of few new tokens over a long context gives few CTAs that each walk the whole
+// context: there the keys of each 128-row CTA are split over several CTAs (args.num_splits, which
+// the caller takes from paged_prefill_num_splits to size the workspace), whose partials a second
+// launch merges (paged_prefill_attention_merge.cuh).
 #include <algorithm>
 #include <cstdint>
 
 #include "kernels/paged_prefill_attention.h"
-#include "kernels/paged_prefill_common.cuh"
-#include "kernels/paged_prefill_merge.cuh"
-#include "kernels/paged_prefill_mma.cuh"
-#include "kernels/paged_prefill_simt.cuh"
+#include "kernels/paged_prefill_attention_common.cuh"
+#include "kernels/paged_prefill_attention_merge.cuh"
+#include "kernels/paged_prefill_attention_mma.cuh"
+#include "kernels/paged_prefill_attention_simt.cuh"
 
 namespace pagedkv::kernels {
 namespace {
@@ -73,7 +73,8 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
     // faster than 128 unsplit CTAs of 128), else 64-row CTAs.
     if constexpr (D <= 128) {
       static_assert(prefill::mma::rows<2>() == kPrefillSplitRows &&
-                    prefill::mma::keys<D>() % kPrefillSplitKeyTile == 0, "paged_prefill_plan.h's split shapes");
+                    prefill::mma::keys<D>() % kPrefillSplitKeyTile == 0,
+                    "paged_prefill_attention_plan.h's split shapes");
       if (!make_plan(a, prefill::mma::rows<2>(), plan, ctas)) return cudaErrorInvalidConfiguration;
       const auto kernel = prefill::paged_prefill_mma_kernel<T, D, 2>;
       constexpr int smem = prefill::mma::smem_bytes<T, D, 2>();

@@ -10,7 +10,7 @@
 
 #include "kernels/dtype.h"
 #include "kernels/paged_attention_args.h"
-#include "kernels/paged_prefill_plan.h"
+#include "kernels/paged_prefill_attention_plan.h"
 
 namespace pagedkv::kernels {
 
@@ -20,7 +20,7 @@ struct PagedPrefillArgs : PagedAttentionArgs {  // rows = new tokens; context_le
   int max_query_len;           // host upper bound of qsl[b+1] - qsl[b] (with num_tokens, sizes the grid)
   int num_sms;                 // the device's SM count: how many rows a CTA takes
   // Splits of each query tile's keys: paged_prefill_num_splits(...) of these shapes
-  // (paged_prefill_plan.h), or 1. With more than 1, `workspace` holds
+  // (paged_prefill_attention_plan.h), or 1. With more than 1, `workspace` holds
   // paged_prefill_workspace_floats(num_tokens, num_q_heads, head_dim, num_splits) floats, 16-byte
   // aligned; else it is unused (may be null).
   int num_splits;

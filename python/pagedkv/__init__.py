@@ -2,16 +2,11 @@
 
 from pagedkv._ext import _C
 from pagedkv import ops
-from pagedkv.cache import CacheFull, KVCache
-from pagedkv.cache_spec import KVCacheSpec
-from pagedkv.step_metadata import StepMetadata
-from pagedkv.generation_config import UnsupportedGenerationArgument
-from pagedkv.support import UnsupportedModel, supports, unsupported_reason
-from pagedkv.generate import generate, kv_cache_of, patch, unpatch
-from pagedkv.sampling_params import SamplingParams
-from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedkv.engine import LLM, EngineStats
-from pagedkv.parallel import tensor_parallel
+from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, StepMetadata
+from pagedkv.models import UnsupportedModel, supports, unsupported_reason
+from pagedkv.runtime import tensor_parallel
+from pagedkv.hf import UnsupportedGenerationArgument, generate, kv_cache_of, patch, unpatch
+from pagedkv.engine import LLM, CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 

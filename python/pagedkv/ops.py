@@ -190,7 +190,7 @@ def rope_and_write_kv(
     packed, token stride free: views of one fused QKV output work), float32/float16/bfloat16.
     positions, slot_mapping: [num_tokens] int32; a negative slot writes nothing (padding), its
     q/k are still rotated. cos_sin_cache: [max_position, rot_dim] float32 from
-    ``pagedkv.rope.build_cos_sin_cache`` (rot_dim <= head_dim; dims past rot_dim are not
+    ``pagedkv.layers.rotary.build_cos_sin_cache`` (rot_dim <= head_dim; dims past rot_dim are not
     rotated). k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], slot
     s = block * block_size + offset. q_norm_weight / k_norm_weight: [head_dim], Qwen3's per-head
     RMSNorm applied before the rotation. Rounding as HF's ``apply_rotary_pos_emb`` in the dtype.

@@ -1,5 +1,6 @@
-"""Forwards of the supported HF architectures on pagedkv ops and the paged KV cache."""
+"""The architectures pagedkv runs natively, one file per family on pagedkv's layers, and the
+registry that says which HF models map to which family (and why others do not)."""
 
-from pagedkv.models.llama import DecoderWeights, PagedDecoder
+from pagedkv.models.registry import UnsupportedModel, check_supported, supports, unsupported_reason
 
-__all__ = ["DecoderWeights", "PagedDecoder"]
+__all__ = ["UnsupportedModel", "check_supported", "supports", "unsupported_reason"]

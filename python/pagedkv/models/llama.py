@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
+from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,29 +104,6 @@ def extract_weights(model) -> DecoderWeights:
     )
 
 
-@dataclasses.dataclass(slots=True)
-class ForwardMetadata:
-    """Where one forward's tokens go and what they attend to. T new tokens, B sequences.
-
-    Three kinds of step:
-    - decode (one new token per sequence, T == B): attention reads each sequence's whole context
-      through `block_tables`/`context_lens` (paged decode attention);
-    - mixed (`query_start_loc` given): sequence b's new tokens are rows [qsl[b], qsl[b + 1]) and
-      attend to the cache up to themselves (prefill chunks after cached context, prefix-cache
-      hits, and decode rows of query length 1, in one flat batch: paged prefill attention);
-    - prefill of whole fresh prompts (`prefill_lens`): attention over the new tokens themselves,
-      sequence by sequence.
-    """
-
-    positions: torch.Tensor  # [T] int32: position of each new token in its sequence
-    slot_mapping: torch.Tensor  # [T] int32: cache slot of each new token's K/V, -1 = padding
-    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (decode)
-    context_lens: torch.Tensor | None = None  # [B] int32, new token included (decode)
-    prefill_lens: list[int] | None = None  # new tokens per sequence, sum T (prefill)
-    query_start_loc: torch.Tensor | None = None  # [B + 1] int32 (mixed)
-    max_query_len: int = 1  # longest new-token run of one sequence (mixed)
-
-
 class PagedDecoder:
     """The forward of one Llama-family model over the paged cache. Holds no per-step state."""
 
@@ -135,7 +113,7 @@ class PagedDecoder:
         self.cos_sin_cache = cos_sin_cache  # [max_position, Dh] fp32: cos | sin halves
         self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
         self.v_caches = v_caches
-        # pagedkv.parallel.TensorParallel when `weights` are one rank's shard: the O and down
+        # pagedkv.runtime.parallel.TensorParallel when `weights` are one rank's shard: the O and down
         # products are partial sums (all-reduced) and the logits one vocabulary slice (gathered).
         self.tp = tp
 
@@ -146,8 +124,8 @@ class PagedDecoder:
         w = self.w
         num_tokens = input_ids.shape[0]
         q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
-        # Attention's split workspace (decode's, zeroed once; or mixed steps' prefill one), shared
-        # by the layers: allocated at the first layer, when q's shape is known.
+        # Attention's split workspace, shared by the layers: made at the first layer, when q's
+        # shape is known.
         workspace = None
         residual = F.embedding(input_ids, w.embed)  # [T, D]
         hidden = ops.rms_norm(residual, w.layers[0].input_norm, w.eps)
@@ -161,12 +139,10 @@ class PagedDecoder:
             ops.rope_and_write_kv(q, k, v, meta.positions, self.cos_sin_cache, self.k_caches[i],
                                   self.v_caches[i], meta.slot_mapping, q_norm_weight=layer.q_norm,
                                   k_norm_weight=layer.k_norm, epsilon=w.eps)
-            if i == 0 and meta.query_start_loc is not None:
-                workspace = ops.paged_prefill_workspace(q, self.k_caches[i], meta.block_tables,
-                                                        meta.max_query_len)
-            elif i == 0 and meta.prefill_lens is None:
-                workspace = ops.paged_decode_workspace(q, self.k_caches[i], meta.block_tables)
-            attn = self._attention(i, q, k, v, meta, workspace)  # [T, Hq, Dh]
+            if i == 0:
+                workspace = attention_workspace(q, self.k_caches[0], meta)
+            attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale,
+                                   workspace)  # [T, Hq, Dh]
             hidden = ops.linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias)
             if self.tp is not None:
                 self.tp.all_reduce_(hidden)
@@ -180,26 +156,3 @@ class PagedDecoder:
             hidden = hidden[logits_rows]
         logits = ops.linear(hidden, w.lm_head)
         return logits if self.tp is None else self.tp.gather_vocab(logits, w.vocab_size)
-
-    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   meta: ForwardMetadata, workspace: torch.Tensor | None) -> torch.Tensor:
-        if meta.query_start_loc is not None:
-            return ops.paged_prefill_attention(q, self.k_caches[layer], self.v_caches[layer],
-                                               meta.block_tables, meta.context_lens,
-                                               meta.query_start_loc, self.w.scale,
-                                               meta.max_query_len, workspace=workspace)
-        if meta.prefill_lens is None:
-            return ops.paged_decode_attention(q, self.k_caches[layer], self.v_caches[layer],
-                                              meta.block_tables, meta.context_lens, self.w.scale,
-                                              workspace=workspace)
-        # Prefill of fresh prompts: causal attention over the new tokens, which are at hand in
-        # q/k/v already (their K/V were also written to the cache for the decode steps).
-        out = torch.empty_like(q)
-        start = 0
-        for n in meta.prefill_lens:
-            qs, ks, vs = (t[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.w.scale,
-                                               enable_gqa=True)  # [1, Hq, n, Dh]
-            out[start:start + n] = o[0].transpose(0, 1)
-            start += n
-        return out

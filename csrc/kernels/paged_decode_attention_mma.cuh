@@ -1,0 +1,203 @@
+// The main loop of paged decode attention on tensor cores (bf16/fp16, head_dim 64 or 128, block
+// size >= 8; the rest take the CUDA-core loop in paged_decode_attention.cu). Per warp, 8 tokens
+// at a time:
+//   - a per-warp ring of kStages shared-memory stages, each one 8-token K tile and V tile, filled
+//     by cp.async (no CTA barrier: a warp reads only its own stages) while the warp computes on
+//     the oldest;
+//   - S = Q K^T as m16n8k16 tiles: M = the group's query heads (rows g; rows g + 8 are zeros),
+//     N = the 8 tokens, K = head_dim. Q's A fragments stay in registers for the whole loop; K's B
+//     fragments come by ldmatrix (a token row is a row of the 8 x 8 matrices);
+//   - the online softmax on S's accumulators: lane (g, t) holds head g's scores of tokens 2t and
+//     2t + 1, so a head's max over the 8 tokens is two shuffles within the quad;
+//   - O^T += V^T P^T as m16n8k8 tiles: M = head_dim, N = the heads, K = the 8 tokens. S's
+//     accumulators, rounded to bf16/fp16, are P^T's B fragment as they are; V^T's A fragments come
+//     by ldmatrix.trans.
+// paged_decode_tensor_cores (paged_decode_attention_plan.h) says which shapes run this loop.
+// A stage of 8 tokens lies in one cache block (blocks are >= 8 tokens and every warp's first token
+// is a multiple of 8), so one table entry addresses it, read one stage ahead of its copies.
+// At head_dim 128 a lane's share of 8 tokens is 8 cp.async, 8 ldmatrix and 16 mma instructions,
+// where the CUDA-core loop's lane runs 256 FMAs, 64 unpacks and the shuffles of its scores.
+#pragma once
+#include <cstdint>
+
+#include "kernels/mma.cuh"
+#include "kernels/paged_decode_attention.h"
+#include "kernels/paged_decode_attention_common.cuh"
+
+namespace pagedkv::kernels::decode {
+
+constexpr int kStageTokens = 8;  // N of S's tile and K of O's: one ldmatrix row per token
+constexpr int kStages = 2;
+
+// Shared memory of the rings of a CTA of W warps: [warp][stage][K, V][token][D].
+template <typename T, int D, int W>
+constexpr int ring_bytes() {
+  return W * kStages * 2 * kStageTokens * D * static_cast<int>(sizeof(T));
+}
+
+// Element offset of 16-byte chunk `chunk` of token `token` (< 8) in a K or V tile. The chunk index
+// is XOR-ed with the token, so an ldmatrix's 8 rows (8 tokens, one chunk) fall in 8 different
+// 16-byte bank groups, and so do a copy's 8 consecutive lanes (one token, 8 chunks).
+template <int D>
+__device__ __forceinline__ int tile_offset(int token, int chunk) {
+  return token * D + (chunk ^ token) * 8;
+}
+
+// One warp's share of the split [begin, end) in a CTA of W warps: its tokens begin + 8 * warp +
+// 8 * W * i. Leaves the warp's normalized-later partial output, max and sum (log2 units) of its
+// heads in s_acc, s_max and s_sum (a warp that saw no token leaves max kNegBig and sum 0).
+// `ring_smem` is ring_bytes of shared memory that s_acc may alias: the CTA syncs before the first
+// write to s_acc. `first_block` is the table entry of the warp's first tile (token begin +
+// 8 * warp), read by the caller before the context length arrives.
+template <typename T, int D, int G, int W>
+__device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int block_shift, int b,
+                                              int kv_head, int head0, int heads, int begin,
+                                              int end, int first_block, unsigned char* ring_smem,
+                                              float (*s_acc)[G][D], float (*s_max)[G],
+                                              float (*s_sum)[G]) {
+  static_assert(G <= 8, "a head group is N = 8 columns of O's tile");
+  constexpr int kChunks = D / 8;                          // 16-byte chunks of a token row
+  constexpr int kSteps = D / 16;                          // k16 steps of S, m16 tiles of O
+  constexpr int kPieces = kStageTokens * kChunks / 32;    // a lane's copies per tile
+  constexpr int kTile = kStageTokens * D;                 // elements of a K or V tile
+  constexpr int kWarpStride = W * kStageTokens;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  T* ring = reinterpret_cast<T*>(ring_smem) + warp * kStages * 2 * kTile;
+
+  // Q's A fragments, rows g (head g of the chunk; zeros past `heads`): [k step][cols 2t.., 2t+8..].
+  uint32_t qa[kSteps][2];
+  const T* q = static_cast<const T*>(a.q) + b * a.q_stride_row + (head0 + g) * a.q_stride_h;
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    qa[s][0] = g < heads ? *reinterpret_cast<const uint32_t*>(q + 16 * s + 2 * t) : 0u;
+    qa[s][1] = g < heads ? *reinterpret_cast<const uint32_t*>(q + 16 * s + 2 * t + 8) : 0u;
+  }
+
+  // O^T's accumulators: [m tile s][c0..c3] = O[heads 2t, 2t + 1][dims 16s + g, 16s + 8 + g].
+  float acc[kSteps][4];
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[s][e] = 0.f;
+  }
+  const float q_scale = a.scale * kLog2e;  // scores in log2 units
+  float m = kNegBig, l = 0.f;  // head g's running max and this lane's share of its sum
+
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  const int* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
+  const int64_t head_offset = kv_head * a.cache_stride_head;
+  const int slot_mask = (1 << block_shift) - 1;
+
+  // The stage to fill next: its first token and physical block (read one stage ahead).
+  int next = begin + warp * kStageTokens;
+  int next_block = next < end ? first_block : 0;
+  auto fill_next = [&](int stage) {
+    if (next < end) {
+      T* k_dst = ring + stage * 2 * kTile;
+      T* v_dst = k_dst + kTile;
+      const int64_t block = next_block * a.cache_stride_block + head_offset;
+#pragma unroll
+      for (int r = 0; r < kPieces; ++r) {
+        const int piece = lane + 32 * r;
+        const int token = piece / kChunks, chunk = piece % kChunks;
+        // Past the end: the last token again (same block), its weight is 0 below.
+        const int slot = (min(next + token, end - 1)) & slot_mask;
+        const int64_t src = block + slot * a.cache_stride_token + chunk * 8;
+        cp_async16_stream(k_dst + tile_offset<D>(token, chunk), k_cache + src);
+        cp_async16_stream(v_dst + tile_offset<D>(token, chunk), v_cache + src);
+      }
+    }
+    cp_async_commit();  // possibly empty: the group count stays uniform
+    next += kWarpStride;
+    next_block = next < end ? __ldg(table + (next >> block_shift)) : 0;
+  };
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) fill_next(stage);
+
+  // ldmatrix rows: lanes 8i..8i+7 give tokens 0-7 of chunk 4j + i (matrix i of load j).
+  const int frag_token = lane % 8, frag_chunk = lane / 8;
+  int stage = 0;
+  for (int t0 = begin + warp * kStageTokens; t0 < end; t0 += kWarpStride) {  // warp-uniform
+    __syncwarp();  // every lane is done reading the stage refilled next
+    fill_next((stage + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();  // every lane's copies into this stage have landed
+    const T* k_tile = ring + stage * 2 * kTile;
+    const T* v_tile = k_tile + kTile;
+
+    // S: head g, tokens 2t, 2t + 1 (c2, c3: empty rows). Odd k steps go to c_odd: two chains
+    // of D / 32 dependent mma each instead of one of D / 16, to shorten the wait for S.
+    float c[4] = {0.f, 0.f, 0.f, 0.f}, c_odd[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kSteps / 2; ++j) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, k_tile + tile_offset<D>(frag_token, 4 * j + frag_chunk));
+      const uint32_t a0[4] = {qa[2 * j][0], 0u, qa[2 * j][1], 0u};
+      const uint32_t a1[4] = {qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u};
+      mma16816(c, a0, kb[0], kb[1], T{});
+      mma16816(c_odd, a1, kb[2], kb[3], T{});
+    }
+    c[0] += c_odd[0];
+    c[1] += c_odd[1];
+
+    // Online softmax in log2 units, with the CUDA-core loop's lazy rescale (the max moves only
+    // when a score passes it by more than kRescaleSlack).
+    const bool valid0 = t0 + 2 * t < end, valid1 = t0 + 2 * t + 1 < end;
+    const float x0 = valid0 ? c[0] * q_scale : kNegBig;
+    const float x1 = valid1 ? c[1] * q_scale : kNegBig;
+    float tile_max = fmaxf(x0, x1);
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    if (__any_sync(0xffffffffu, tile_max > m + kRescaleSlack)) {
+      const float new_max = fmaxf(m, tile_max);
+      const float alpha = fast_exp2(m - new_max);
+      m = new_max;
+      l *= alpha;
+      // O's columns are heads 2t and 2t + 1: their factors from the quads of those heads.
+      const float alpha_lo = __shfl_sync(0xffffffffu, alpha, 8 * t);
+      const float alpha_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        acc[s][0] *= alpha_lo;
+        acc[s][1] *= alpha_hi;
+        acc[s][2] *= alpha_lo;
+        acc[s][3] *= alpha_hi;
+      }
+    }
+    const uint32_t p = pack2(valid0 ? fast_exp2(x0 - m) : 0.f, valid1 ? fast_exp2(x1 - m) : 0.f, T{});
+    l += unpack2_sum(p, T{});  // the rounded weights O is summed with
+
+#pragma unroll
+    for (int j = 0; j < kSteps / 2; ++j) {
+      uint32_t va[4];
+      ldmatrix_x4_trans(va, v_tile + tile_offset<D>(frag_token, 4 * j + frag_chunk));
+      mma1688(acc[2 * j], va[0], va[1], p, T{});
+      mma1688(acc[2 * j + 1], va[2], va[3], p, T{});
+    }
+    stage = (stage + 1) % kStages;
+  }
+  cp_async_wait<0>();
+
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // every warp is done with its ring: s_acc may alias it
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    if (2 * t < G) {
+      s_acc[warp][2 * t][16 * s + g] = acc[s][0];
+      s_acc[warp][2 * t][16 * s + 8 + g] = acc[s][2];
+    }
+    if (2 * t + 1 < G) {
+      s_acc[warp][2 * t + 1][16 * s + g] = acc[s][1];
+      s_acc[warp][2 * t + 1][16 * s + 8 + g] = acc[s][3];
+    }
+  }
+  if (t == 0 && g < G) {
+    s_max[warp][g] = m;
+    s_sum[warp][g] = l;
+  }
+}
+
+}  // namespace pagedkv::kernels::decode

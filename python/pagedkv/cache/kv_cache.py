@@ -1,0 +1,187 @@
+"""The paged KV cache: K/V tensors on the device, and the C++ cache manager that decides which
+block holds which tokens of which sequence. Attention reads K/V through the block tables built
+here; nothing is ever gathered into dense per-sequence tensors."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pagedkv import ops
+from pagedkv._ext import _C
+from pagedkv.cache.spec import KVCacheSpec, num_blocks_for
+from pagedkv.cache.step_metadata import StepBuffers, StepMetadata
+
+CacheFull = _C.CacheFull
+"""Raised (a RuntimeError) when an operation needs more free blocks than the cache has. Nothing
+was changed: free or preempt a sequence and try again, or ask ``can_allocate`` first."""
+
+
+def copy_blocks(cache: KVCache, copies: Sequence[tuple[int, int]]) -> None:
+    """Copy-on-write on the device, on the current stream: block ``src`` to block ``dst`` for
+    each (src, dst) pair the cache manager returned, in every layer's K and V (one launch)."""
+    if not copies:
+        return
+    src, dst = torch.tensor(copies, dtype=torch.int64).T.contiguous().to(cache.device)  # [n] each
+    ops.copy_blocks(cache.k_caches, cache.v_caches, src, dst)
+
+
+class KVCache:
+    """K and V of every layer in ``num_blocks`` blocks of ``block_size`` tokens, with sequences'
+    bookkeeping delegated to ``pagedkv._C.CacheManager``.
+
+    Size it with exactly one of ``num_blocks=``, ``memory_bytes=`` or ``memory_fraction=`` (of the
+    CUDA memory available now: free, plus what torch's allocator holds unused). ``max_seq_len``
+    bounds one sequence (default: the whole cache); it also sets the width of the block-table
+    rows of build_metadata, ``ceil(max_seq_len / block_size)``, so pass the model's limit for a
+    large cache. ``max_batch_size`` and ``max_step_tokens`` bound one step's metadata (rows, and
+    new tokens including padding; default max(max_seq_len, max_batch_size) so a whole prompt fits
+    one step); its buffers are made at the first build.
+
+    Errors: ``CacheFull`` when blocks run out (nothing changed); ``KeyError`` for a sequence id
+    that is not in the cache (unknown, or already freed); ``ValueError`` for a call that can
+    never succeed (empty or too long prompt, id in use, duplicate id in a batch, ...).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+        memory_fraction: float | None = None,
+        device: torch.device | str = "cuda",
+        max_seq_len: int | None = None,
+        max_batch_size: int = 256,
+        max_step_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.spec = spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, dtype, block_size)
+        self.device = torch.device(device)
+        blocks = num_blocks_for(spec, self.device, num_blocks=num_blocks, memory_bytes=memory_bytes,
+                                memory_fraction=memory_fraction)
+        self.manager = _C.CacheManager(blocks, block_size, max_seq_len or blocks * block_size,
+                                       enable_prefix_caching)
+        # kv: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; one tensor so
+        # that a block copy covers all layers in one op.
+        self.kv = torch.zeros(num_layers, 2, blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                              device=self.device)
+        # Per layer [num_blocks, block_size, num_kv_heads, head_dim], contiguous views of kv.
+        self.k_caches: list[torch.Tensor] = list(self.kv[:, 0].unbind(0))
+        self.v_caches: list[torch.Tensor] = list(self.kv[:, 1].unbind(0))
+        self._max_batch_size = max_batch_size
+        self._max_step_tokens = max_step_tokens or max(self.manager.max_seq_len, max_batch_size)
+        self._buffers: StepBuffers | None = None
+
+    @classmethod
+    def from_hf_config(cls, config, *, dtype: torch.dtype | None = None, block_size: int = 16,
+                       **kwargs) -> KVCache:
+        """A cache shaped for a transformers config (see KVCacheSpec.from_hf_config); kwargs as
+        for KVCache (sizing, device, limits)."""
+        spec = KVCacheSpec.from_hf_config(config, dtype=dtype, block_size=block_size)
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                   block_size=spec.block_size, **kwargs)
+
+    # -- size ------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole cache holds: num_blocks * block_size."""
+        return self.manager.num_blocks * self.spec.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out: never used, or cached with no owner (evicted LRU first)."""
+        return self.manager.num_free_blocks
+
+    # -- sequences -------------------------------------------------------------------------------
+    def add_sequence(self, seq_id: int, token_ids: Sequence[int] | torch.Tensor) -> int:
+        """Reserve a slot for each prompt token. Returns how many leading tokens are already in
+        the prefix cache (a multiple of block_size, less than the prompt length): the step
+        computes only the rest. Raises CacheFull (nothing changed) when blocks run out."""
+        return self.manager.add_sequence(seq_id, token_ids)
+
+    def append_tokens(self, seq_id: int, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """Reserve slots for more tokens of one sequence (e.g. a prefill chunk)."""
+        copy_blocks(self, self.manager.append_tokens(seq_id, token_ids))
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        """Reserve slots for tokens whose ids are not known yet (e.g. a whole generation up front).
+        The sequence's blocks from here on never enter the prefix cache."""
+        copy_blocks(self, self.manager.reserve(seq_id, num_tokens))
+
+    def append_batch(self, seq_ids: Sequence[int] | torch.Tensor, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """Reserve one slot per sequence for a decode step (token_ids[i] for seq_ids[i]): all or
+        nothing. A sequence that shares a partly filled last block gets a copy of it first.
+        Ids and tokens: lists of ints or 1-D CPU int32/int64 tensors."""
+        copy_blocks(self, self.manager.append_batch(seq_ids, token_ids))
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """A new sequence sharing all of the parent's tokens and blocks (copy-on-write)."""
+        self.manager.fork(parent_id, child_id)
+
+    def free(self, seq_id: int, keep_cached: bool = True) -> None:
+        """Give the sequence's blocks back; its full blocks stay in the prefix cache until evicted
+        (keep_cached=False: those no other sequence holds leave it, e.g. after a failed step whose
+        K/V were never written)."""
+        self.manager.free(seq_id, keep_cached)
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens of the sequence holding a slot."""
+        return self.manager.seq_len(seq_id)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self.manager.block_table(seq_id)
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self.manager
+
+    # -- asking first ----------------------------------------------------------------------------
+    def can_allocate(self, num_blocks: int) -> bool:
+        return self.manager.can_allocate(num_blocks)
+
+    def blocks_needed_to_add(self, token_ids: Sequence[int] | torch.Tensor) -> int:
+        """Free blocks add_sequence would take (prefix-cache hits count only if revived)."""
+        return self.manager.blocks_needed_to_add(token_ids)
+
+    def blocks_needed_to_append(self, seq_ids: Sequence[int], num_tokens: int = 1) -> int:
+        """Free blocks appending num_tokens to each sequence would take (copy-on-write included)."""
+        return self.manager.blocks_needed_to_append(seq_ids, num_tokens)
+
+    def step_capacity_fits(self, num_seqs: int, num_tokens: int) -> bool:
+        """Whether one build_metadata call may hold num_seqs rows and num_tokens new tokens."""
+        return num_seqs <= self._max_batch_size and num_tokens <= self._max_step_tokens
+
+    # -- one step --------------------------------------------------------------------------------
+    def build_metadata(
+        self,
+        seq_ids: Sequence[int],
+        query_lens: Sequence[int] | None = None,
+        padded_batch: int | None = None,
+    ) -> StepMetadata:
+        """Metadata of one step over seq_ids, whose slots are already reserved. query_lens[i]:
+        the new tokens of sequence i (its last ones); None for decode (1 each). padded_batch:
+        rows including padding (a CUDA-graph bucket), default len(seq_ids). Built in C++ into a
+        pinned buffer and sent to the device in one non-blocking copy."""
+        padded = padded_batch or len(seq_ids)
+        if self._buffers is None:
+            layout = _C.StepLayout(self._max_batch_size, self._max_step_tokens, self.manager.max_blocks_per_seq)
+            self._buffers = StepBuffers(layout, self.device)
+        buffers = self._buffers
+        buffers.wait_until_reusable()
+        num_tokens, max_query_len, max_context_len = self.manager.build_step(
+            buffers.layout, buffers.host, seq_ids, query_lens, padded)
+        buffers.upload(padded)
+        return buffers.metadata(len(seq_ids), padded, num_tokens, max_query_len, max_context_len)

@@ -1,0 +1,399 @@
+"""pagedkv.LLM: continuous batching of many requests over one paged KV cache.
+
+    llm = pagedkv.LLM(model, max_num_seqs=256, max_num_batched_tokens=8192)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=128, temperature=0))  # input order
+    # online: llm.add_request(...); while llm.has_unfinished_requests(): llm.step()
+    # streaming: for out in llm.stream(prompts, params): ...
+
+Each step the scheduler (scheduler.py) picks the sequences to run and reserves their cache
+slots; the model runner (runtime/runner.py) runs their decode tokens and prefill chunks as one
+flat batch, the sampler draws a token for every sequence that reached its end, and finished
+sequences free their blocks at once. The engine decides who runs; the runner how.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from typing import Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from pagedkv.cache import KVCache, KVCacheSpec, num_blocks_for
+from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, request_output
+from pagedkv.engine.prompts import Prompt, batch_of, load_model, tokenize_prompt
+from pagedkv.engine.request import Request, Sequence, Status
+from pagedkv.engine.sampling_batch import SamplingBatch
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.models.registry import attention_window, check_supported
+from pagedkv.runtime.model import prepared
+from pagedkv.runtime.runner import ModelRunner, StepInput
+from pagedkv.runtime.sampler import Sampler
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine was made."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt (or recomputed) tokens run through the model
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache instead
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class LLM:
+    """Serve many requests of one HF Llama-family causal LM (Llama, Qwen2, Qwen3, Mistral).
+
+    model: a loaded ``*ForCausalLM`` (on its device and dtype) or a name/path for
+    ``from_pretrained``; tokenizer: needed for string prompts and output text (loaded with a
+    model name). max_num_seqs: sequences running at once; max_num_batched_tokens: new tokens per
+    step (longer prompts are chunked). The KV cache is sized by exactly one of
+    ``kv_cache_memory`` (bytes if an int, else a fraction in (0, 1] of the available CUDA memory:
+    free, plus what torch's allocator holds unused; default 0.9 on CUDA, 256 MiB on CPU) or
+    ``num_kv_blocks``. max_model_len: longest sequence, prompt + output (default: the model's
+    limit, at most the cache's capacity).
+    use_cuda_graphs: replay decode-only steps as CUDA graphs, one per batch bucket (default on
+    for CUDA models).
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, kv_cache_memory: int | float | None = None,
+                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                 block_size: int = 16, enable_prefix_caching: bool = True,
+                 use_cuda_graphs: bool | None = None, dtype: torch.dtype | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"pagedkv.LLM: max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"pagedkv.LLM: max_num_batched_tokens ({max_num_batched_tokens}) must be "
+                             f">= max_num_seqs ({max_num_seqs}): every running sequence decodes a "
+                             "token per step")
+        model, self.tokenizer = load_model(model, tokenizer, dtype)
+        check_supported(model)
+        self.model = model
+        state = prepared(model)  # the weights, fused once and shared with generate()
+        # Tensor parallel (pagedkv.tensor_parallel): every rank runs this engine on the same
+        # requests and must schedule them alike, so the ranks agree on the cache's block count
+        # and draw request seeds from one generator.
+        self.tp = state.tp
+        self.device = state.device
+        limit = state.max_positions
+        window = attention_window(model)
+        if window is not None:
+            limit = min(limit, window)
+        sizing = self._cache_sizing(kv_cache_memory, num_kv_blocks)
+        w = state.weights
+        if self.tp is not None:
+            spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, state.dtype, block_size)
+            sizing = {"num_blocks": self.tp.min_over_ranks(num_blocks_for(spec, self.device, **sizing))}
+        self.cache = KVCache(len(w.layers), w.num_kv_heads, w.head_dim, dtype=state.dtype,
+                             block_size=block_size, device=self.device,
+                             max_seq_len=min(limit, max_model_len or limit), max_batch_size=max_num_seqs,
+                             max_step_tokens=max_num_batched_tokens,
+                             enable_prefix_caching=enable_prefix_caching, **sizing)
+        capacity = self.cache.capacity_tokens
+        if max_model_len is not None and max_model_len > min(limit, capacity):
+            raise ValueError(f"pagedkv.LLM: max_model_len {max_model_len} is more than the model's limit "
+                             f"({limit}) or the KV cache's capacity ({capacity} tokens)")
+        self.max_model_len = max_model_len or min(limit, capacity)
+        graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        if graphs and self.device.type != "cuda":
+            raise ValueError("pagedkv.LLM: use_cuda_graphs=True needs a model on a CUDA device")
+        self.runner = ModelRunner(state, self.cache, graphs, max_batch=max_num_seqs)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.vocab_size = w.vocab_size
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        if eos is None:
+            eos = model.config.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.sampling = SamplingBatch(Sampler(max_num_seqs, self.device))
+        # Seeds of requests that name none; from Python's global generator, so random.seed()
+        # before making the engine reproduces a run (under tensor parallelism, rank 0's).
+        seed = torch.tensor([random.getrandbits(62)], dtype=torch.int64)
+        if self.tp is not None:
+            seed = self.tp.broadcast_(seed.to(self.tp.device))
+        self._seed_rng = random.Random(int(seed.item()))
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        self._seq_counter = itertools.count()
+
+    def _cache_sizing(self, kv_cache_memory, num_kv_blocks) -> dict:
+        if kv_cache_memory is not None and num_kv_blocks is not None:
+            raise ValueError("pagedkv.LLM: give kv_cache_memory or num_kv_blocks, not both")
+        if num_kv_blocks is not None:
+            return {"num_blocks": num_kv_blocks}
+        if kv_cache_memory is None:
+            kv_cache_memory = 0.9 if self.device.type == "cuda" else 256 << 20
+        if isinstance(kv_cache_memory, float):
+            return {"memory_fraction": kv_cache_memory}
+        return {"memory_bytes": int(kv_cache_memory)}
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (a string, with the tokenizer, or token ids); returns its id. Bad
+        input raises ValueError (TypeError for a wrong type) and leaves the engine as it was."""
+        text, ids, params = self._checked(prompt, sampling_params)
+        return self._enqueue(text, ids, params, request_id)
+
+    def _checked(self, prompt: Prompt, sampling_params: SamplingParams | None
+                 ) -> tuple[str | None, list[int], SamplingParams]:
+        """A request's text, token ids and parameters, or the error that refuses it."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError("pagedkv.LLM: sampling_params must be a SamplingParams, got "
+                            f"{type(params).__name__}")
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"pagedkv.LLM: the prompt has {len(ids)} tokens; at most "
+                             f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len}, one "
+                             "token left to generate)")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"pagedkv.LLM: n = {params.n} samples is more than max_num_seqs "
+                             f"({self.scheduler.max_num_seqs})")
+        return text, ids, params
+
+    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
+                 request_id: str | None) -> str:
+        request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"pagedkv.LLM: request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62) - params.n
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        stop_ids = frozenset(params.stop_token_ids) | eos
+        request = Request(request_id, text, ids, params, max(seed, 0),
+                          RequestMetrics(arrival_time=time.perf_counter()), stop_ids=stop_ids,
+                          max_len=min(len(ids) + params.max_tokens, self.max_model_len))
+        seq = Sequence(next(self._seq_counter), request, 0, list(ids), len(ids),
+                       pending_forks=params.n - 1)
+        request.sequences.append(seq)
+        self._requests[request_id] = request
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (its blocks are freed); unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            for seq in request.sequences:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.abort(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, partial: bool = True) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that got tokens in it (partial,
+        with the tokens so far, or finished, the last time it is reported). partial=False
+        reports finished requests only (no per-step copies of the token lists)."""
+        return self._step(partial)
+
+    def _step(self, partial: bool) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if not sched.decodes and not sched.prefills:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("pagedkv.LLM: no waiting request fits the empty engine (a bug: "
+                                   "add_request checks that each one fits)")
+            return []
+        self.stats.num_steps += 1
+        self.stats.num_cached_prompt_tokens += sched.num_cached_tokens
+        self.stats.num_prompt_tokens_computed += sum(r.num_new for r in sched.prefills)
+        try:
+            samplers, tokens, repeat = self._run(sched)
+        except BaseException:
+            # Slots were reserved for work that did not happen: compute these requests again.
+            failed = {id(s.request) for s in sched.decodes}
+            failed.update(id(r.seq.request) for r in sched.prefills)
+            self.scheduler.recompute([s for s in self.scheduler.running if id(s.request) in failed])
+            raise
+        now = time.perf_counter()
+        for seq in () if repeat else samplers:  # a repeated batch has had its first tokens
+            metrics = seq.request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+        # The loop over every sample of the step: kept to an append and two cheap tests.
+        ended: list[Request] = []
+        for seq, token in zip(samplers, tokens):
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            request = seq.request
+            if token in request.stop_ids:
+                self.scheduler.finish(seq, "stop")
+                ended.append(request)
+            elif len(token_ids) >= request.max_len:
+                self.scheduler.finish(seq, "length")
+                ended.append(request)
+        self.stats.num_generated_tokens += len(samplers)
+        return self._partial_outputs(samplers, ended, now) if partial else self._finished_outputs(ended, now)
+
+    def _finished_outputs(self, ended: list[Request], now: float) -> list[RequestOutput]:
+        outputs = []
+        for request in dict.fromkeys(ended):  # a request once, even if several samples ended
+            if request.finished:
+                outputs.append(self._finish(request, now))
+        return outputs
+
+    def _partial_outputs(self, samplers: list[Sequence], ended: list[Request],
+                         now: float) -> list[RequestOutput]:
+        """An output per request that sampled, in the order of the step's samples. The common
+        case, a running request of one sample, is built inline: at 256 running requests this
+        loop is most of a streaming step's host time."""
+        ended_set = set(ended)
+        tokenizer = self.tokenizer
+        outputs = []
+        append = outputs.append
+        # dict.fromkeys: each request once (n > 1 samples of one request sample in one step).
+        for request in dict.fromkeys([s.request for s in samplers]):
+            if request in ended_set and request.finished:
+                append(self._finish(request, now))
+            elif len(request.sequences) == 1 and request.sequences[0].finish_reason is None:
+                seq = request.sequences[0]
+                tokens = seq.token_ids
+                completion = CompletionOutput(seq.index, None, None, tokenizer,
+                                              request.params.skip_special_tokens,
+                                              (tokens, seq.prompt_len, len(tokens)))
+                append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                                     [completion], False, request.metrics,
+                                     request.num_cached_prompt_tokens))
+            else:
+                append(self._output(request, False))
+        return outputs
+
+    def _finish(self, request: Request, now: float) -> RequestOutput:
+        request.metrics.finished_time = now
+        del self._requests[request.request_id]
+        return self._output(request, True)
+
+    def _run(self, sched: SchedulerOutput) -> tuple[list[Sequence], list[int], bool]:
+        """The forward and sampling of one step; returns the sequences that sampled, their new
+        tokens, and whether the same sequences sampled in the step before (SamplingBatch.repeats).
+        Advances num_computed, forks n > 1 samples once their prompt is computed."""
+        decodes, prefills = sched.decodes, sched.prefills
+        decode_only = all(r.num_new == 1 for r in prefills)
+        seq_ids = sched.decode_ids + [r.seq.seq_id for r in prefills] if prefills else sched.decode_ids
+        query_lens = None if decode_only else [1] * len(decodes) + [r.num_new for r in prefills]
+        tokens = list(sched.decode_tokens)  # a decode row feeds its last token and samples
+        samplers = list(decodes)
+        logits_rows = list(range(len(decodes)))
+        for r in prefills:
+            start = r.seq.num_computed
+            tokens += r.seq.token_ids[start:start + r.num_new]
+            if r.samples:
+                logits_rows.append(len(tokens) - 1)
+                samplers.append(r.seq)
+        logits = self.runner.run(StepInput(seq_ids, tokens, query_lens, logits_rows))  # [S, V]
+        for seq in decodes:
+            seq.num_computed += 1
+        for r in prefills:
+            r.seq.num_computed += r.num_new
+        if not samplers:
+            return [], [], False
+
+        # n > 1: fork the samples once the prompt is computed; they share its logits row. A
+        # repeated batch has no forks pending: they were made when its sequences sampled before.
+        repeat = self.sampling.repeats(samplers, self.stats.num_steps)
+        if not repeat:
+            row_of = list(range(len(samplers)))
+            for i, seq in enumerate(list(samplers)):
+                if seq.pending_forks:
+                    children = self._fork(seq)
+                    samplers += children
+                    row_of += [i] * len(children)
+            if len(row_of) > len(logits_rows):
+                logits = logits[torch.tensor(row_of, device=self.device)]
+        # With CUDA graphs the logits view the graph's output; the sampler runs on the same
+        # stream before the next replay overwrites them.
+        sampler = self.sampling.prepare(samplers, self.stats.num_steps, repeat)
+        return samplers, sampler(logits).tolist(), repeat
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        request = parent.request
+        children = []
+        for index in range(1, parent.pending_forks + 1):
+            child = Sequence(next(self._seq_counter), request, index, list(parent.token_ids),
+                             parent.prompt_len, status=Status.RUNNING,
+                             num_computed=parent.num_computed, in_cache=True)
+            self.cache.fork(parent.seq_id, child.seq_id)
+            children.append(child)
+        parent.pending_forks = 0
+        request.sequences += children
+        self.scheduler.insert_after(parent, children)
+        return children
+
+    def _output(self, request: Request, finished: bool) -> RequestOutput:
+        return request_output(request, finished, self.tokenizer)
+
+    # -- batch and streaming APIs ---------------------------------------------------------------
+    def _add_all(self, prompts, sampling_params) -> list[str]:
+        prompts, params = batch_of(prompts, sampling_params)
+        # Check every request first, so that a bad one leaves nothing queued.
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                checked.append(self._checked(prompt, p))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{error} (prompt {i} of {len(prompts)})") from None
+        return [self._enqueue(*request, None) for request in checked]
+
+    def stream(self, prompts: Prompt | Iterable[Prompt],
+               sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Queue the prompts and yield RequestOutputs as they progress (partial ones after every
+        step they got a token in, then the finished one), until all of them are finished."""
+        ids = set(self._add_all(prompts, sampling_params))
+        try:
+            while ids:
+                ids &= self._requests.keys()  # abort_request() during the loop: yields no more
+                if not ids:
+                    break
+                with torch.inference_mode():
+                    outputs = self._step(partial=True)
+                for out in outputs:
+                    if out.request_id in ids:
+                        if out.finished:
+                            ids.discard(out.request_id)
+                        yield out
+        finally:
+            for request_id in ids:  # the consumer stopped early
+                self.abort_request(request_id)
+
+    @torch.inference_mode()
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run the prompts to the end; outputs in the order of the prompts. A tqdm bar shows
+        finished requests and output tok/s (use_tqdm=False turns it off)."""
+        ids = self._add_all(prompts, sampling_params)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="pagedkv", unit="req", dynamic_ncols=True)
+        start, generated0 = time.perf_counter(), self.stats.num_generated_tokens
+        wanted = set(ids)
+        try:
+            while len(results) < len(ids):
+                for out in self._step(partial=False):
+                    if out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    rate = (self.stats.num_generated_tokens - generated0) / (time.perf_counter() - start)
+                    bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+        except BaseException:
+            for request_id in wanted - results.keys():
+                self.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

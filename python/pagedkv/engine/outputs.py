@@ -1,0 +1,109 @@
+"""What pagedkv.LLM returns per request: the completions, their finish reasons and timings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(slots=True)
+class RequestMetrics:
+    """time.perf_counter() seconds of a request's life; None until it happens."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+class CompletionOutput:
+    """One sample of a request: its new token ids, their text (decoded on first access, with the
+    engine's tokenizer; None without one) and why it finished ("stop", "length", None = running)."""
+
+    __slots__ = ("index", "_token_ids", "_source", "finish_reason", "_tokenizer", "_skip_special", "_text")
+
+    def __init__(self, index: int, token_ids: list[int] | None, finish_reason: str | None, tokenizer,
+                 skip_special_tokens: bool = True, source: tuple[list[int], int, int] | None = None):
+        """token_ids, or source = (tokens, start, end): the ids are tokens[start:end], copied on
+        first access (see snapshot)."""
+        self.index = index
+        self._token_ids = token_ids
+        self._source = source
+        self.finish_reason = finish_reason
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._text: str | None = None
+
+    @classmethod
+    def snapshot(cls, index: int, tokens: list[int], start: int, tokenizer,
+                 skip_special_tokens: bool = True) -> CompletionOutput:
+        """A running sample's new tokens tokens[start:] as they are now. The list of a sequence
+        only grows, so the copy waits for the first access: a partial output per request per
+        step then costs no copy of every request's tokens."""
+        return cls(index, None, None, tokenizer, skip_special_tokens, (tokens, start, len(tokens)))
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._token_ids is None:
+            tokens, start, end = self._source
+            self._token_ids, self._source = tokens[start:end], None
+        return self._token_ids
+
+    @property
+    def text(self) -> str | None:
+        if self._text is None and self._tokenizer is not None:
+            self._text = self._tokenizer.decode(self.token_ids, skip_special_tokens=self._skip_special)
+        return self._text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, token_ids={self.token_ids}, "
+                f"finish_reason={self.finish_reason!r})")
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step (partial) or at its end (finished=True). With n == 1,
+    ``token_ids``/``text``/``finish_reason`` are those of the only completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def request_output(request, finished: bool, tokenizer) -> RequestOutput:
+    """The output of an engine request (engine/request.py's Request) as it stands: finished, or
+    partial (running samples' tokens so far, copied when read)."""
+    skip = request.params.skip_special_tokens
+    completions = [CompletionOutput(s.index, s.output_ids, s.finish_reason, tokenizer, skip)
+                   if finished or s.finish_reason is not None else
+                   CompletionOutput.snapshot(s.index, s.token_ids, s.prompt_len, tokenizer, skip)
+                   for s in request.sequences]
+    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                         completions, finished, request.metrics, request.num_cached_prompt_tokens)

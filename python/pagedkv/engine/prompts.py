@@ -1,0 +1,91 @@
+"""What pagedkv.LLM takes as input: a model (loaded, or a name for from_pretrained) with its
+tokenizer, and prompts as strings or token ids, checked and turned into token-id lists."""
+
+from __future__ import annotations
+
+import operator
+from typing import Sequence
+
+import torch
+
+Prompt = str | Sequence[int]
+
+
+def load_model(model, tokenizer, dtype):
+    """(model in eval mode, tokenizer): model and tokenizer may be names for from_pretrained."""
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        name = model
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto")
+        if torch.cuda.is_available():
+            model = model.cuda()
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+    elif isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    return model.eval(), tokenizer
+
+
+def prompt_token_ids(prompt) -> list[int]:
+    """The ids of a prompt given as ids: ints (Python, numpy, 0-d tensors; never floats), or an
+    integer tensor [n] or [1, n] on any device that holds data."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise TypeError(f"pagedkv.LLM: a prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise ValueError(f"pagedkv.LLM: a prompt tensor must be [n] or [1, n], got shape "
+                             f"{tuple(prompt.shape)}; pass a batch as a list of prompts")
+        if prompt.is_meta:
+            raise ValueError("pagedkv.LLM: a prompt tensor is on the meta device (it holds no token ids)")
+        return prompt.flatten().tolist()
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise TypeError("pagedkv.LLM: a prompt is a string or a list of token ids, got "
+                        f"{type(prompt).__name__}") from None
+    ids = []
+    for t in items:
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"pagedkv.LLM: token ids must be ints, got {t!r} ({type(t).__name__})") from None
+    return ids
+
+
+def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt; TypeError/ValueError naming what is wrong."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("pagedkv.LLM: a string prompt needs a tokenizer; pass tokenizer= "
+                             "or give token ids")
+        ids = list(tokenizer.encode(prompt))
+        text = prompt
+    else:
+        ids = prompt_token_ids(prompt)
+        text = None
+    if not ids:
+        raise ValueError("pagedkv.LLM: the prompt is empty; it needs at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"pagedkv.LLM: prompt token ids {bad[:5]} are outside "
+                         f"[0, {vocab_size - 1}]")
+    return text, ids
+
+
+
+def batch_of(prompts, sampling_params) -> tuple[list, list]:
+    """(prompts, one sampling-params entry per prompt) of LLM.generate/stream's arguments: one
+    prompt (a string or a list of ids) or many; one SamplingParams (or None) for all, or a list."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"pagedkv.LLM: got {len(sampling_params)} sampling_params for "
+                             f"{len(prompts)} prompts; give one, or one per prompt")
+        return prompts, list(sampling_params)
+    return prompts, [sampling_params] * len(prompts)

@@ -1,0 +1,218 @@
+"""Which sequences run in the next step, and how many new tokens each computes.
+
+Policy (one step, budget = max_num_batched_tokens new tokens, at most max_num_seqs sequences):
+1. Decodes first: every running decoding sequence feeds its last token (one slot each, reserved
+   in one all-or-nothing append). If the cache lacks blocks, the newest running sequence is
+   preempted (its blocks freed; it goes back to the front of the waiting queue and is recomputed
+   later from prompt + generated tokens) until the rest fit.
+2. Running prefills continue, oldest first, with chunks of what is left of the budget; one that
+   does not fit preempts newer sequences, or (when it is the newest) shrinks or waits.
+3. Waiting sequences are admitted in FIFO order while the budget, the sequence limit and the free
+   blocks allow (none in a step that preempted). A prompt's leading blocks found in the prefix
+   cache are not computed again. A prompt longer than the left budget is chunked: its first
+   chunk is added now, the rest is appended by later steps, so every block the cache can hand
+   to another prompt as a prefix hit has its K/V written by the step that reserved it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from pagedkv.cache import CacheFull, KVCache
+from pagedkv.engine.request import Sequence, Status
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledRow:
+    seq: Sequence
+    num_new: int  # tokens computed this step: seq.token_ids[num_computed : num_computed + num_new]
+
+    @property
+    def samples(self) -> bool:
+        """The row reaches the end of its tokens: its last logits give the next token."""
+        return self.seq.num_computed + self.num_new == len(self.seq.token_ids)
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    # Decode rows as plain lists (no row object per sequence: a 256-sequence decode step would
+    # spend ~100 us making them); the ids and last tokens are the ones append_batch reserved.
+    decodes: list[Sequence]  # one new token each (their last), in running order
+    decode_ids: list[int]  # [s.seq_id for s in decodes]
+    decode_tokens: list[int]  # [s.token_ids[-1] for s in decodes]
+    prefills: list[ScheduledRow]  # prefill chunks, after the decode rows
+    preempted: list[Sequence]
+    num_cached_tokens: int  # prompt tokens found in the prefix cache by this step's admissions
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(r.num_new for r in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _seq_slots(self) -> int:
+        return sum(1 + s.pending_forks for s in self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        preempted: list[Sequence] = []
+        decodes: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for s in self.running:  # s.is_decoding, inlined: this loop runs over every sequence
+            (decodes if s.in_cache and len(s.token_ids) - s.num_computed == 1 else prefilling).append(s)
+        decode_ids = [s.seq_id for s in decodes]
+        decode_tokens = [s.token_ids[-1] for s in decodes]
+        while decodes:
+            try:  # all or nothing: CacheFull changes nothing
+                self.cache.append_batch(decode_ids, decode_tokens)
+                break
+            except CacheFull:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                self._drop_decode(victim, decodes, decode_ids, decode_tokens)
+        budget = self.max_num_batched_tokens - len(decodes)
+
+        prefills: list[ScheduledRow] = []
+        for seq in prefilling:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted by an older one of this loop
+                continue
+            chunk = min(seq.num_left, budget)
+            while not self.cache.can_allocate(self.cache.blocks_needed_to_append([seq.seq_id], chunk)):
+                victim = self.running[-1]
+                if victim is seq:  # the newest: take what fits, or wait
+                    chunk = self._fitting_chunk(seq, chunk)
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+                self._drop_decode(victim, decodes, decode_ids, decode_tokens)
+                prefills = [r for r in prefills if r.seq is not victim]
+                budget = self.max_num_batched_tokens - len(decodes) - sum(r.num_new for r in prefills)
+                chunk = min(seq.num_left, budget)
+            if chunk == 0:
+                continue
+            start = seq.num_computed
+            self.cache.append_tokens(seq.seq_id, seq.token_ids[start:start + chunk])
+            prefills.append(ScheduledRow(seq, chunk))
+            budget -= chunk
+        budget = self.max_num_batched_tokens - len(decodes) - sum(r.num_new for r in prefills)
+
+        cached = 0
+        slots = self._seq_slots() if self.waiting else 0
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if slots + 1 + seq.pending_forks > self.max_num_seqs:
+                break
+            admitted = self._admit(seq, budget)
+            if admitted is None:
+                break
+            num_new, hits = admitted
+            self.waiting.popleft()
+            self.running.append(seq)
+            slots += 1 + seq.pending_forks
+            prefills.append(ScheduledRow(seq, num_new))
+            budget -= num_new
+            cached += hits
+        return SchedulerOutput(decodes, decode_ids, decode_tokens, prefills, preempted, cached)
+
+    @staticmethod
+    def _drop_decode(victim: Sequence, decodes: list[Sequence], ids: list[int], tokens: list[int]) -> None:
+        """A preempted sequence leaves this step's decode rows (its slot went with its blocks)."""
+        for i, s in enumerate(decodes):
+            if s is victim:
+                del decodes[i], ids[i], tokens[i]
+                return
+
+    def _admit(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
+        """Add the sequence's first chunk to the cache; (tokens to compute, prefix-cache hits),
+        or None when its blocks do not fit now."""
+        tokens = seq.token_ids
+        end = min(len(tokens), budget)
+        try:
+            hits = self.cache.add_sequence(seq.seq_id, tokens[:end])
+        except CacheFull:
+            return None
+        if hits and end < len(tokens):  # the budget the hits saved takes more of the prompt
+            extra = min(len(tokens) - end, hits)
+            try:
+                self.cache.append_tokens(seq.seq_id, tokens[end:end + extra])
+                end += extra
+            except CacheFull:
+                pass
+        seq.in_cache = True
+        seq.num_computed = hits
+        seq.status = Status.RUNNING
+        metrics = seq.request.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = time.perf_counter()
+            seq.request.num_cached_prompt_tokens = hits
+        return end - hits, hits
+
+    def _fitting_chunk(self, seq: Sequence, chunk: int) -> int:
+        while chunk > 0 and not self.cache.can_allocate(
+                self.cache.blocks_needed_to_append([seq.seq_id], chunk)):
+            chunk //= 2
+        return chunk
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; it is recomputed from its tokens when admitted again."""
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.in_cache = False
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # -- after a step ------------------------------------------------------------------------
+    def insert_after(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Forked samples run right after their parent (same admission rank)."""
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+
+    def recompute(self, seqs: list[Sequence]) -> None:
+        """After a step that failed once its slots were reserved: the sequences go back to the
+        front of the waiting queue (oldest first), their blocks freed and dropped from the prefix
+        cache (their K/V may never have been written), to be computed again from their tokens."""
+        for seq in reversed(seqs):
+            self.running.remove(seq)
+            self.cache.free(seq.seq_id, keep_cached=False)
+            seq.in_cache = False
+            seq.num_computed = 0
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.in_cache = False
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.in_cache:
+            self.cache.free(seq.seq_id)
+            seq.in_cache = False
+        seq.status = Status.FINISHED

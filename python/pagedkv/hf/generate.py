@@ -1,0 +1,102 @@
+"""A drop-in HF ``generate()``: same arguments, same greedy tokens, on pagedkv's runner.
+
+    out = pagedkv.generate(model, input_ids, attention_mask=mask, max_new_tokens=64)
+    pagedkv.patch(model)   # model.generate(...) now runs on pagedkv; pagedkv.unpatch(model)
+
+This module checks the inputs and resolves HF's arguments; runtime/fixed_batch.py runs the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from pagedkv.cache import KVCache
+from pagedkv.hf.generation_config import resolve_generation
+from pagedkv.models.registry import attention_window, check_supported
+from pagedkv.runtime.fixed_batch import FixedBatch
+from pagedkv.runtime.model import PREPARED_ATTR, device_of, prepared
+
+
+def _prompts_from_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's real tokens. HF's decoder-only generate expects left padding."""
+    if attention_mask is None:
+        return input_ids.tolist()
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError("pagedkv.generate: attention_mask must be a tensor [batch, prompt_length] "
+                        f"of 0/1, got {type(attention_mask).__name__}")
+    if attention_mask.device != input_ids.device:
+        raise ValueError(f"pagedkv.generate: attention_mask is on {attention_mask.device} but input_ids "
+                         f"is on {input_ids.device}; both must be on the model's device")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"pagedkv.generate: attention_mask has shape {tuple(attention_mask.shape)} "
+                         f"but input_ids has {tuple(input_ids.shape)}; they must match")
+    mask = attention_mask.bool().cpu()
+    lengths = mask.sum(1)
+    width = input_ids.shape[1]
+    expected = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
+    if not torch.equal(mask, expected):
+        raise ValueError("pagedkv.generate: attention_mask must be left-padded (zeros, then ones "
+                         "in each row), as HF's decoder-only generate expects; got another pattern")
+    if (lengths == 0).any():
+        raise ValueError(f"pagedkv.generate: row(s) {(lengths == 0).nonzero().flatten().tolist()} "
+                         "of attention_mask are empty; every prompt needs at least one token")
+    ids = input_ids.cpu()
+    return [ids[r, width - int(n):].tolist() for r, n in enumerate(lengths)]
+
+
+def _check_inputs(model, input_ids) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("pagedkv.generate: input_ids must be a 2-D tensor [batch, prompt_length] "
+                         f"of token ids, got {type(input_ids).__name__} "
+                         f"{tuple(getattr(input_ids, 'shape', ()))}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"pagedkv.generate: input_ids has dtype {input_ids.dtype}; allowed: torch.int64, torch.int32")
+    if input_ids.numel() == 0:
+        raise ValueError("pagedkv.generate: input_ids is empty; every prompt needs at least one token")
+    device = device_of(model)
+    if input_ids.device != device:
+        raise ValueError(f"pagedkv.generate: input_ids is on {input_ids.device} but pagedkv runs the "
+                         f"model on {device}; move them there")
+    vocab = model.config.vocab_size
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"pagedkv.generate: input_ids hold ids in [{lo}, {hi}]; allowed: [0, {vocab - 1}]")
+
+
+@torch.inference_mode()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             generation_config: GenerationConfig | None = None, streamer=None,
+             use_cuda_graphs: bool | None = None, **kwargs):
+    """HF ``model.generate`` on pagedkv. input_ids: [B, S] (left-padded, with attention_mask),
+    on the model's device. Returns what HF returns: a [B, S + N] tensor of the prompts and the new
+    tokens (pad_token_id after a row's EOS), or a GenerateDecoderOnlyOutput with `sequences` when
+    return_dict_in_generate=True. Settings HF accepts but pagedkv does not implement raise
+    UnsupportedGenerationArgument naming them. use_cuda_graphs: default on for CUDA models."""
+    check_supported(model)
+    _check_inputs(model, input_ids)
+    settings = resolve_generation(model, input_ids.shape[1], generation_config, kwargs)
+    prompts = _prompts_from_left_padded(input_ids, attention_mask)
+    window = attention_window(model)
+    longest = max(len(p) for p in prompts) + settings.max_new_tokens
+    if window is not None and longest > window:
+        raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
+                         f"sliding_window is {window}; pagedkv attends to whole contexts, so it "
+                         f"runs only sequences within the window (prompt + max_new_tokens <= {window})")
+    state = prepared(model)
+    if state.fixed_batch is None:
+        state.fixed_batch = FixedBatch(state)
+    new_tokens = state.fixed_batch.generate(prompts, input_ids, settings, streamer,
+                                            use_cuda_graphs)  # [B, N]
+    sequences = torch.cat([input_ids, new_tokens.to(input_ids.dtype)], dim=1)
+    if settings.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def kv_cache_of(model) -> KVCache | None:
+    """The KV cache generate() runs `model` on (None before its first call). Between calls it
+    holds no sequence and all its blocks are free: ``cache.num_free_blocks == cache.num_blocks``."""
+    state = getattr(model, PREPARED_ATTR, None)
+    return None if state is None or state.fixed_batch is None else state.fixed_batch.cache

@@ -1,0 +1,1 @@
+"""What every model file composes on top of pagedkv.ops: rotary tables, paged attention."""

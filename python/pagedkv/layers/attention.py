@@ -1,0 +1,51 @@
+"""Attention over the paged KV cache, as a model layer calls it: which kernel one step's metadata
+asks for, and the split workspace both kernels share across a forward's layers.
+
+Two kinds of step, both reading K/V through block tables (nothing gathered, nothing concatenated):
+- decode (`query_start_loc` None): one new token per row, attending to its row's whole context
+  (ops.paged_decode_attention; long contexts split over thread blocks);
+- mixed (`query_start_loc` given): row b's new tokens are [qsl[b], qsl[b + 1]) and each attends
+  causally to its row's cache up to itself: prompts, prefill chunks after cached context,
+  prefix-cache hits and decode rows of one token, in one flat batch (ops.paged_prefill_attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedkv import ops
+
+
+@dataclasses.dataclass(slots=True)
+class ForwardMetadata:
+    """Where one forward's T new tokens go and what they attend to; B rows (sequences)."""
+
+    positions: torch.Tensor  # [T] int32: position of each new token in its sequence
+    slot_mapping: torch.Tensor  # [T] int32: cache slot of each new token's K/V, -1 = padding
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32: tokens each row attends to, its new ones included
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int32 (mixed steps)
+    max_query_len: int = 1  # host bound of one row's new tokens (mixed steps)
+
+
+def attention_workspace(q: torch.Tensor, k_cache: torch.Tensor,
+                        meta: ForwardMetadata) -> torch.Tensor | None:
+    """The split workspace of this step's kernel (None when it does not split), made once per
+    forward and shared by its layers: q [T, Hq, Dh], k_cache [num_blocks, block_size, Hkv, Dh]."""
+    if meta.query_start_loc is not None:
+        return ops.paged_prefill_workspace(q, k_cache, meta.block_tables, meta.max_query_len)
+    return ops.paged_decode_workspace(q, k_cache, meta.block_tables)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: ForwardMetadata, scale: float,
+                    workspace: torch.Tensor | None) -> torch.Tensor:
+    """q [T, Hq, Dh] (K/V of the new tokens already written) -> [T, Hq, Dh]."""
+    if meta.query_start_loc is not None:
+        return ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                           meta.query_start_loc, scale, meta.max_query_len,
+                                           workspace=workspace)
+    return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                      scale, workspace=workspace)

@@ -1,0 +1,76 @@
+"""Which HF models pagedkv can run, and why not when it cannot."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.layers.rotary import rope_type
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Rotary variants whose cos/sin depend only on the position (built once, up front); "dynamic"
+# and "longrope" change with the running sequence length, which a precomputed table cannot follow.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # what the attention kernels are instantiated for
+
+
+class UnsupportedModel(ValueError):
+    """The model (architecture, attention variant, dtype, placement) is not one pagedkv runs."""
+
+
+def unsupported_reason(model) -> str | None:
+    """None if pagedkv can run `model`, else a sentence saying what is not supported."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"model_type {model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act={config.hidden_act!r} is not supported; supported: 'silu'"
+    if getattr(config, "mlp_bias", False):
+        return "mlp_bias=True is not supported"
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        return f"pretraining_tp={config.pretraining_tp} is not supported; supported: 1"
+    rope = rope_type(config)
+    if rope not in SUPPORTED_ROPE_TYPES:
+        return f"rope type {rope!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return (f"head_dim {head_dim} is not supported; supported: "
+                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return f"layer_types {sorted(set(layer_types))} are not supported; supported: full_attention"
+    params = list(model.parameters())
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
+        return (f"parameter dtypes {sorted(map(str, dtypes))} are not supported; supported: one of "
+                f"{', '.join(map(str, SUPPORTED_DTYPES))} for all parameters (quantized models are not)")
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        return f"the model is spread over {sorted(map(str, devices))}; pagedkv needs it on one device"
+    device = next(iter(devices))
+    if device.type not in ("cpu", "cuda"):
+        return f"device {device} is not supported; supported: cpu, cuda"
+    return None
+
+
+def supports(model) -> bool:
+    """True if pagedkv can run this model; `unsupported_reason(model)` says why not."""
+    return unsupported_reason(model) is None
+
+
+def check_supported(model) -> None:
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise UnsupportedModel(f"pagedkv cannot run {type(model).__name__}: {reason}")
+
+
+def attention_window(model) -> int | None:
+    """Tokens a query may attend back to, when the model limits it (Mistral's sliding_window).
+    pagedkv attends to the whole context, which equals HF's sliding-window attention as long as
+    a sequence stays within the window; generate() refuses longer ones."""
+    window = getattr(model.config, "sliding_window", None)
+    return int(window) if window else None

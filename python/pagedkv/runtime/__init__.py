@@ -1,0 +1,8 @@
+"""The one runtime under generate() and pagedkv.LLM: a prepared model (weights taken once), the
+model runner that executes steps over a KV cache, the only CUDA-graph manager, the one sampler,
+and generate()'s fixed batch that advances its own metadata on the device."""
+
+from pagedkv.runtime.model import PreparedModel, prepared, tensor_parallel
+from pagedkv.runtime.runner import ModelRunner, StepInput
+
+__all__ = ["ModelRunner", "PreparedModel", "StepInput", "prepared", "tensor_parallel"]

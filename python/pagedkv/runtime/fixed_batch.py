@@ -1,0 +1,265 @@
+"""generate()'s fixed batch on the model runner: every row's blocks (prompt + max_new_tokens) are
+counted against the device before any work, the prompts run as one step of the runner, the
+generation's slots are reserved after them, and each decode step
+(forward, logits processing, sampling, and the advance of positions and slots) runs on the device
+with no host work, replayed as one CUDA graph per batch bucket and settings.
+
+The host keeps one decode step queued ahead of it: it reads back step t's tokens (the only sync)
+while step t+1 runs, so finished rows are seen one step late and that spare step is discarded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import zlib
+
+import torch
+from torch.profiler import record_function
+
+from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, free_memory_bytes
+from pagedkv.runtime.decode_state import DecodeState
+from pagedkv.runtime.model import PreparedModel
+from pagedkv.runtime.runner import ModelRunner, StepInput, bucket
+from pagedkv.runtime.sampler import Sampler
+
+BLOCK_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerationSettings:
+    """What one generate() call asks for, resolved and checked. Token counts are per row."""
+
+    max_new_tokens: int
+    min_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    return_dict_in_generate: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _GraphKey:
+    """What a captured decode step bakes in besides its buffers."""
+
+    rows: int
+    max_blocks: int
+    do_sample: bool
+    repetition_penalty: float
+    min_new_tokens: int
+    eos_ids: tuple[int, ...]
+
+
+def _call_digest(prompts: list[list[int]], settings: GenerationSettings) -> list[int]:
+    """A few numbers that differ, but for a hash collision, between two different calls."""
+    return [len(prompts), sum(map(len, prompts)), zlib.crc32(repr(prompts).encode()),
+            zlib.crc32(repr(settings).encode())]
+
+
+class FixedBatch:
+    """generate()'s runner for one prepared model: its own cache (no prefix caching: generate
+    keeps nothing between calls), re-made larger when a call needs more blocks."""
+
+    def __init__(self, model: PreparedModel):
+        self.model = model
+        self.runner: ModelRunner | None = None
+        # Graph key -> (state, sampler): buffers the key's captured step reads and writes.
+        self._buffers: dict[_GraphKey, tuple[DecodeState, Sampler]] = {}
+
+    @property
+    def cache(self) -> KVCache | None:
+        return None if self.runner is None else self.runner.cache
+
+    def generate(self, prompts: list[list[int]], input_ids: torch.Tensor,
+                 settings: GenerationSettings, streamer=None,
+                 use_cuda_graphs: bool | None = None) -> torch.Tensor:
+        """Returns the new tokens [B, N] (pad after EOS), N <= settings.max_new_tokens.
+        use_cuda_graphs: default on for CUDA models."""
+        model = self.model
+        graphs = (model.device.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
+        if graphs and model.device.type != "cuda":
+            raise ValueError("pagedkv: use_cuda_graphs=True needs a model on a CUDA device")
+        max_new = settings.max_new_tokens
+        longest = max(len(p) for p in prompts) + max_new
+        if longest > model.max_positions:
+            raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
+                             f"max_position_embeddings is {model.max_positions}; prompt + "
+                             f"max_new_tokens must be <= {model.max_positions}")
+        if model.tp is not None:
+            model.tp.check_same("prompts or generation settings", _call_digest(prompts, settings))
+        # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
+        # step advances to (never run) inside the row's blocks, so no step indexes past them.
+        num_blocks = sum(math.ceil((len(p) + max_new) / BLOCK_SIZE) for p in prompts)
+        runner = self._runner_for(num_blocks, len(prompts), sum(map(len, prompts)), longest)
+        seq_ids = list(range(len(prompts)))
+        try:
+            return self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs)
+        finally:
+            for sid in seq_ids:
+                if runner.cache.has_sequence(sid):
+                    runner.cache.free(sid)
+
+    # -- the cache ---------------------------------------------------------------------------
+    def _runner_for(self, num_blocks: int, rows: int, prompt_tokens: int, longest: int) -> ModelRunner:
+        """A runner whose cache has num_blocks blocks and room for this prefill's metadata: the
+        current one if it does. Its decode steps are this module's (graphs or not, per call)."""
+        runner = self.runner
+        if (runner is not None and runner.cache.num_blocks >= num_blocks
+                and runner.cache.step_capacity_fits(rows, prompt_tokens)):
+            return runner
+        model = self.model
+        w = model.weights
+        spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, model.dtype, BLOCK_SIZE)
+        self._check_memory(spec, num_blocks, rows, longest)
+        # The old cache and its graphs go before the new cache is allocated.
+        runner = self.runner = None
+        self._buffers.clear()
+        cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                        device=model.device, block_size=spec.block_size, num_blocks=num_blocks,
+                        max_seq_len=model.max_positions, enable_prefix_caching=False,
+                        max_batch_size=max(rows, 256),
+                        max_step_tokens=max(prompt_tokens, model.max_positions, 256))
+        self.runner = ModelRunner(model, cache, use_cuda_graphs=False)
+        return self.runner
+
+    def _check_memory(self, spec: KVCacheSpec, num_blocks: int, rows: int, longest: int) -> None:
+        """Refuse, before any work, a batch whose blocks (all reserved up front) do not fit the
+        device; the cache in use is counted as free since it is replaced."""
+        needed = num_blocks * spec.bytes_per_block
+        free = free_memory_bytes(self.model.device)
+        if free is not None and self.cache is not None:
+            free += self.cache.kv.nbytes
+        fits = free is None or needed <= free
+        tp = self.model.tp
+        if tp is not None and not tp.all_true(fits) and fits:  # all ranks refuse together
+            raise CacheFull(f"pagedkv.generate: the batch's {num_blocks} KV-cache blocks fit this "
+                            "rank's device but not another's (its error names the sizes). Nothing was run.")
+        if not fits:
+            raise CacheFull(f"pagedkv.generate: the batch needs {num_blocks} KV-cache blocks "
+                            f"({needed / 2**20:.1f} MiB: {rows} rows of up to {longest} tokens, prompt + "
+                            f"max_new_tokens) but {self.model.device} has {free / 2**20:.1f} MiB free; "
+                            "generate fewer rows or fewer new tokens per call. Nothing was run.")
+
+    # -- decode steps ------------------------------------------------------------------------
+    def _decode_step(self, runner: ModelRunner, key: _GraphKey, settings: GenerationSettings,
+                     graphs: bool):
+        """(replay, state, sampler): replay() runs one decode step and its advance."""
+        if graphs and key in self._buffers:
+            state, sampler = self._buffers[key]
+            return runner.graphs.get(key).replay, state, sampler
+        device = self.model.device
+        vocab = self.model.weights.vocab_size if settings.repetition_penalty != 1.0 else None
+        state = DecodeState.allocate(key.rows, key.max_blocks, vocab, BLOCK_SIZE, device)
+        sampler = Sampler(key.rows, device, repetition_penalty=settings.repetition_penalty,
+                          min_new_tokens=settings.min_new_tokens, eos_token_ids=settings.eos_token_ids)
+        sampler.fill(settings.temperature if settings.do_sample else 0.0, settings.top_k, settings.top_p)
+
+        def step() -> torch.Tensor:
+            with record_function("decode_step"):
+                logits = runner.decoder.forward(state.tokens, state.metadata())
+                next_tokens = sampler(logits, state.generated, state.seen)
+                state.advance(next_tokens, sampler.offsets)
+                return next_tokens
+
+        if not graphs:
+            return step, state, sampler
+        self._buffers[key] = (state, sampler)
+        return runner.graphs.capture(key, step).replay, state, sampler
+
+    def _run(self, runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]],
+             input_ids: torch.Tensor, settings: GenerationSettings, streamer, graphs: bool):
+        cache = runner.cache
+        batch, max_new = len(prompts), settings.max_new_tokens
+        lens = [len(p) for p in prompts]
+        with record_function("metadata"):
+            for sid, prompt in zip(seq_ids, prompts):
+                cache.add_sequence(sid, prompt)
+        # The prompts run as one step of the runner, before the generation's slots are reserved
+        # (a row's new tokens are its last ones: the prompt's, here).
+        with record_function("prefill"):
+            last = list(itertools.accumulate(lens, initial=-1))[1:]  # each prompt's last token
+            logits = runner.run(StepInput(seq_ids, [t for p in prompts for t in p], lens, last))  # [B, V]
+        with record_function("metadata"):
+            for sid in seq_ids:
+                cache.reserve(sid, max_new)
+            tables = [cache.block_table(sid) for sid in seq_ids]
+            # Round the table width up so that calls of similar lengths share a captured graph.
+            max_blocks = 1 << (max(len(t) for t in tables) - 1).bit_length()
+            rows = bucket(batch) if graphs else batch
+            key = _GraphKey(rows, max_blocks, settings.do_sample, settings.repetition_penalty,
+                            settings.min_new_tokens, settings.eos_token_ids)
+        replay, state, sampler = self._decode_step(runner, key, settings, graphs)
+        with record_function("metadata"):
+            table_host = torch.zeros(batch, max_blocks, dtype=torch.int32)
+            for r, table in enumerate(tables):
+                table_host[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            state.start(torch.tensor(lens, dtype=torch.int32), table_host)
+            sampler.offsets.zero_()
+            if settings.do_sample:  # from torch's global RNG: torch.manual_seed reproduces a call
+                sampler.seeds[:batch].copy_(torch.randint(0, 2**62, (batch,)))
+                if self.model.tp is not None:  # every rank samples with the first rank's seeds
+                    self.model.tp.broadcast_(sampler.seeds)
+            if state.seen is not None:  # HF penalizes every id of the (padded) input rows
+                state.seen.zero_()
+                state.seen[:batch].scatter_(1, input_ids.long(), True)
+        if rows > batch:
+            logits = torch.cat([logits, logits.new_zeros(rows - batch, logits.shape[1])])
+        first = sampler(logits, state.generated, state.seen)
+        state.advance(first, sampler.offsets)
+        return _read_back(replay, first, sampler.next_tokens, rows, batch, max_new, settings,
+                          streamer, input_ids, self.model.device)
+
+
+def _read_back(replay, first: torch.Tensor, next_tokens: torch.Tensor, rows: int, batch: int,
+               max_new: int, settings: GenerationSettings, streamer, input_ids: torch.Tensor,
+               device: torch.device) -> torch.Tensor:
+    """Runs the decode steps, one queued ahead of the host's read-back; returns [B, N]."""
+    pinned = device.type == "cuda"
+    tokens_host = torch.empty(max_new, rows, dtype=torch.int64, pin_memory=pinned)
+    ready: list[torch.cuda.Event | None] = []
+
+    def fetch(step: int, tokens: torch.Tensor) -> None:
+        tokens_host[step].copy_(tokens, non_blocking=pinned)
+        event = torch.cuda.Event() if pinned else None
+        if event is not None:
+            event.record()
+        ready.append(event)
+
+    fetch(0, first)
+    eos = torch.tensor(settings.eos_token_ids, dtype=torch.int64)
+    pad = settings.pad_token_id
+    finished = torch.zeros(batch, dtype=torch.bool)
+    produced: list[torch.Tensor] = []
+    launched = 1
+    try:  # the streamer gets end() however the loop ends, so that its reader is released
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        while len(produced) < launched:
+            if launched < max_new:  # keep one step queued while the host reads the last
+                replay()
+                fetch(launched, next_tokens)
+                launched += 1
+            step = len(produced)
+            if ready[step] is not None:
+                ready[step].synchronize()
+            tokens = tokens_host[step, :batch].clone()
+            if pad is not None:
+                tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
+            if len(eos):
+                finished |= torch.isin(tokens, eos)
+            produced.append(tokens)
+            if streamer is not None:
+                streamer.put(tokens)
+            if bool(finished.all()):
+                break
+    finally:
+        if streamer is not None:
+            streamer.end()
+        if pinned:
+            torch.cuda.current_stream().synchronize()  # no step left writing the cache
+    return torch.stack(produced, dim=1).to(device)

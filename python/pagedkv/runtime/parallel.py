@@ -1,0 +1,76 @@
+"""Tensor parallelism over torch.distributed: the collectives a rank's forward and its engine
+need. pagedkv.tensor_parallel (runtime/model.py) makes a model's shard; models/sharding.py splits
+the weights.
+
+    torch.distributed.init_process_group("nccl")           # e.g. under torchrun
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)  # on the CPU
+    pagedkv.tensor_parallel(model)                         # this rank's shard -> cuda:LOCAL_RANK
+    out = pagedkv.generate(model, input_ids.to(f"cuda:{local_rank}"), max_new_tokens=64)
+    llm = pagedkv.LLM(model, ...)                          # or serve many requests
+
+Every rank makes the same calls with the same arguments and gets the same tokens back.
+
+Megatron's split of a Llama-family layer, so each layer costs two all-reduces and no other
+exchange: QKV and gate/up are split by output rows (each rank owns Hq/n query heads, Hkv/n kv
+heads and I/n of the MLP), O and down by input columns (each rank's partial sum, all-reduced).
+The KV cache of a rank holds its own kv heads only. The LM head is split by vocabulary rows and
+its logits all-gathered, so every rank samples the same token from the same logits.
+Collectives go through torch.distributed (NCCL on CUDA, gloo on the CPU), inside CUDA graphs too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This rank's place in the tensor-parallel group and the device its shard lives on."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: dist.ProcessGroup | None = None  # None: the default group
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Every rank's logits [R, Vs] of its vocabulary rows -> all logits [R, vocab_size]."""
+        rows, shard = logits.shape
+        gathered = logits.new_empty((self.world_size * rows, shard))  # [n * R, Vs], rank-major
+        dist.all_gather_into_tensor(gathered, logits.contiguous(), group=self.group)
+        full = gathered.view(self.world_size, rows, shard).transpose(0, 1).reshape(rows, -1)
+        return full[:, :vocab_size].contiguous()
+
+    def all_true(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on every rank (so all ranks raise together)."""
+        return bool(self.min_over_ranks(int(flag)))
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of the ranks' `value`s, on every rank."""
+        x = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        return int(x.item())
+
+    def check_same(self, what: str, values: list[int]) -> None:
+        """Raise ValueError on every rank unless all ranks passed the same `values` (a digest of
+        one call's arguments): ranks that run different calls would wait on each other forever."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        differ = [r for r, v in enumerate(every) if not torch.equal(v, every[0])]
+        if differ:
+            raise ValueError(f"pagedkv.generate: rank(s) {differ} of the tensor-parallel group got "
+                             f"other {what} than rank 0; every rank must make the same call")
+
+    def broadcast_(self, x: torch.Tensor) -> torch.Tensor:
+        """x from the group's first rank to all, in place (e.g. sampling seeds)."""
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(x, src=src, group=self.group)
+        return x

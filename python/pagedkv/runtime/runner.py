@@ -1,0 +1,107 @@
+"""ModelRunner: one prepared model bound to one KV cache; it executes steps.
+
+A step is rows of sequences that hold cache slots, each computing its last `query_lens[i]`
+tokens (a prompt, a prefill chunk after cached context, a prefix-cache hit's remainder, or one
+decode token). The runner builds the step's metadata through the cache (KVCache.build_metadata,
+the one metadata builder), runs the forward, and returns the logits of the rows asked for. A
+decode-only step (one token per row) is padded to a batch bucket and, on CUDA, replayed as a
+CUDA graph (runtime/graphs.py, the one capture place); steps with longer rows run eagerly.
+
+generate()'s fixed batch (runtime/fixed_batch.py) and pagedkv.LLM (engine/llm.py) both run on
+this class: the prefill of generate() is a step like the engine's, and its decode steps capture
+the runner's forward together with the sampler and the on-device advance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.profiler import record_function
+
+from pagedkv.cache import KVCache, StepMetadata
+from pagedkv.layers.attention import ForwardMetadata
+from pagedkv.models.llama import PagedDecoder
+from pagedkv.runtime.graphs import CudaGraphs
+from pagedkv.runtime.model import PreparedModel
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def bucket(batch: int, limit: int | None = None) -> int:
+    """The CUDA-graph batch size a decode step of `batch` rows pads to (at most `limit`)."""
+    padded = next((b for b in BATCH_BUCKETS if b >= batch), batch)
+    return padded if limit is None else max(min(padded, limit), batch)
+
+
+@dataclasses.dataclass(slots=True)
+class StepInput:
+    """One step: rows (cache sequences) and the new tokens each computes, flat in row order."""
+
+    seq_ids: list[int]  # [B] sequences holding slots for their new tokens
+    token_ids: list[int]  # [T] the rows' new tokens, row after row
+    query_lens: list[int] | None  # [B] new tokens per row (its last ones); None: one each (decode)
+    logits_rows: list[int] | None = None  # indices into token_ids to return logits for; None: all
+
+
+class ModelRunner:
+    def __init__(self, model: PreparedModel, cache: KVCache, use_cuda_graphs: bool,
+                 max_batch: int | None = None):
+        """max_batch: most rows of a decode step (caps its bucket); use_cuda_graphs needs CUDA."""
+        if use_cuda_graphs and model.device.type != "cuda":
+            raise ValueError("pagedkv: use_cuda_graphs=True needs a model on a CUDA device")
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+        self.max_batch = max_batch
+        self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
+                                    tp=model.tp)
+        self.use_cuda_graphs = use_cuda_graphs  # for run()'s decode steps
+        self.graphs = CudaGraphs() if model.device.type == "cuda" else None
+
+    def run(self, step: StepInput) -> torch.Tensor:
+        """Logits [R, V] of the rows step.logits_rows (R = len(logits_rows); all T tokens when
+        None). On CUDA the result may view a graph's output: read it before the next step."""
+        decode = step.query_lens is None
+        num_rows = len(step.seq_ids)
+        padded = bucket(num_rows, self.max_batch) if decode and self.use_cuda_graphs else None
+        meta = self.cache.build_metadata(step.seq_ids, step.query_lens, padded)
+        tokens = step.token_ids
+        if meta.num_tokens > len(tokens):  # padding rows of a bucket feed token 0
+            tokens = tokens + [0] * (meta.num_tokens - len(tokens))
+        ids = torch.tensor(tokens, dtype=torch.int64)  # [num_tokens]
+        rows = step.logits_rows
+        if decode:
+            full = self._decode(meta, ids)  # [num_tokens, V], padding rows included
+            if rows is None or rows == list(range(num_rows)):
+                return full[:num_rows] if rows is not None else full[:len(step.token_ids)]
+            return full[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+        ids = ids.to(self.device, non_blocking=True)
+        index = None if rows is None else \
+            torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.decoder.forward(ids, forward_metadata(meta), logits_rows=index)
+
+    def _decode(self, meta: StepMetadata, ids: torch.Tensor) -> torch.Tensor:
+        fmeta = forward_metadata(meta, decode=True)
+        if not self.use_cuda_graphs:
+            with record_function("decode_step"):
+                return self.decoder.forward(ids.to(self.device, non_blocking=True), fmeta)
+        # The metadata views keep their addresses across steps of one bucket (they alias the
+        # cache's step buffer), so a graph captured over them reads each step's metadata.
+        step = self.graphs.get(meta.num_tokens)
+        if step is None:
+            static_ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
+            # The warm-up run writes this step's K/V with token 0; the replay below rewrites them.
+            step = self.graphs.capture(meta.num_tokens, lambda: self.decoder.forward(static_ids, fmeta),
+                                       buffers=static_ids)
+        step.buffers.copy_(ids, non_blocking=True)
+        return step.replay()
+
+
+def forward_metadata(meta: StepMetadata, decode: bool = False) -> ForwardMetadata:
+    """The forward's view of a step's metadata: decode steps use paged decode attention, others
+    paged prefill attention over query_start_loc."""
+    return ForwardMetadata(positions=meta.positions, slot_mapping=meta.slot_mapping,
+                           block_tables=meta.block_tables, context_lens=meta.context_lens,
+                           query_start_loc=None if decode else meta.query_start_loc,
+                           max_query_len=meta.max_query_len)

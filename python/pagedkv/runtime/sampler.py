@@ -1,0 +1,115 @@
+"""The one sampler: logits processing and sampling of a step's rows, on the device, with no host
+sync (so generate() captures it inside its decode-step graph, and the engine runs it right after
+its forward).
+
+Per-row parameters live in static device tensors [rows]: temperature (0 = greedy, exactly
+argmax), top-k (0 = off), top-p (1 = off), the RNG seed, and the RNG offset (tokens the row has
+generated), so a row's token depends on its logits, seed and offset only, never on its batch
+slot. generate() fills every row alike once per call; the engine writes the rows of the
+sequences that sample (SamplingBatch), and for an unchanged batch only moves the offsets on.
+
+Logits processors of HF's greedy/sample loop, in HF's order and arithmetic, before sampling:
+repetition penalty, then min_new_tokens' EOS suppression (temperature, top-k and top-p are the
+sampling op's own).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import record_function
+
+from pagedkv import ops
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> None:
+    """In place, HF's RepetitionPenaltyLogitsProcessor: logits of tokens already in the sequence
+    (prompt included) are divided by `penalty` if positive, multiplied if negative.
+    logits: [B, V] float32; seen: [B, V] bool."""
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    torch.where(seen, penalized, logits, out=logits)
+
+
+def suppress_eos(logits: torch.Tensor, eos_ids: torch.Tensor, generated: torch.Tensor,
+                 min_new_tokens: int) -> None:
+    """In place, HF's MinNewTokensLengthLogitsProcessor: EOS logits are -inf while a row has
+    generated fewer than min_new_tokens. logits: [B, V]; eos_ids: [E] int64; generated: [B]."""
+    too_early = (generated < min_new_tokens).unsqueeze(1)  # [B, 1]
+    eos_logits = logits[:, eos_ids]  # [B, E]
+    logits[:, eos_ids] = torch.where(too_early, torch.full_like(eos_logits, -float("inf")), eos_logits)
+
+
+class Sampler:
+    """Samples one token per row of logits [n, V], n <= rows, into `next_tokens[:n]`.
+
+    repetition_penalty != 1 needs `seen` [rows, V] bool at each call; min_new_tokens > 0 with
+    eos_token_ids needs `generated` [rows] int32 (tokens each row has generated so far).
+    """
+
+    def __init__(self, rows: int, device: torch.device, *, repetition_penalty: float = 1.0,
+                 min_new_tokens: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.device = device
+        self._allocate(rows)
+        self.repetition_penalty = repetition_penalty
+        self.min_new_tokens = min_new_tokens if eos_token_ids else 0
+        self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=device)  # [E]
+        self.all_greedy = True  # every row at temperature 0: plain argmax, no parameters read
+
+    def _allocate(self, rows: int) -> None:
+        device = self.device
+        self.rows = rows
+        self.temperatures = torch.zeros(rows, dtype=torch.float32, device=device)  # [rows]
+        self.top_k = torch.zeros(rows, dtype=torch.int32, device=device)  # [rows]
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)  # [rows]
+        self.seeds = torch.zeros(rows, dtype=torch.int64, device=device)  # [rows]
+        self.offsets = torch.zeros(rows, dtype=torch.int64, device=device)  # [rows]
+        self.next_tokens = torch.zeros(rows, dtype=torch.int64, device=device)  # [rows]
+
+    def fill(self, temperature: float, top_k: int, top_p: float) -> None:
+        """Every row alike (generate()); seeds and offsets are set by the caller."""
+        self.temperatures.fill_(temperature)
+        self.top_k.fill_(top_k)
+        self.top_p.fill_(top_p)
+        self.all_greedy = temperature <= 0
+
+    def set_rows(self, temperatures: list[float], top_k: list[int], top_p: list[float],
+                 seeds: list[int], offsets: list[int]) -> None:
+        """The parameters of rows [0, n) (the engine's samples of one step, in order). More rows
+        than allocated re-allocate the tensors: only for a sampler no CUDA graph captured."""
+        n = len(temperatures)
+        if n > self.rows:
+            self._allocate(max(n, 2 * self.rows))
+        self.all_greedy = all(t <= 0 for t in temperatures)
+        if self.all_greedy:
+            return
+        pinned = self.temperatures.device.type == "cuda"
+        for dst, values, dtype in ((self.temperatures, temperatures, torch.float32),
+                                   (self.top_k, top_k, torch.int32), (self.top_p, top_p, torch.float32),
+                                   (self.seeds, seeds, torch.int64), (self.offsets, offsets, torch.int64)):
+            dst[:n].copy_(torch.tensor(values, dtype=dtype, pin_memory=pinned), non_blocking=pinned)
+
+    def advance_offsets(self, n: int) -> None:
+        """Rows [0, n) each generated one token since they last sampled (stream-ordered)."""
+        if not self.all_greedy:
+            self.offsets[:n].add_(1)
+
+    def __call__(self, logits: torch.Tensor, generated: torch.Tensor | None = None,
+                 seen: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [n, V] -> next_tokens[:n] int64 (a view of the static output)."""
+        with record_function("sample"):
+            n = logits.shape[0]
+            penalize = self.repetition_penalty != 1.0
+            suppress = self.min_new_tokens > 0
+            # HF converts logits to fp32 for its processors. ops.sample reads bf16/fp16 logits as
+            # their exact fp32 values, so without a processor the conversion changes no token
+            # and is skipped (a kernel and a [n, V] fp32 copy per step).
+            if penalize or suppress:
+                logits = logits.float()
+            if penalize:
+                apply_repetition_penalty(logits, seen[:n], self.repetition_penalty)
+            if suppress:
+                suppress_eos(logits, self.eos_ids, generated[:n], self.min_new_tokens)
+            out = self.next_tokens[:n]
+            if self.all_greedy:
+                return ops.sample(logits, out=out)
+            return ops.sample(logits, self.temperatures[:n], self.top_k[:n], self.top_p[:n],
+                              self.seeds[:n], self.offsets[:n], out=out)

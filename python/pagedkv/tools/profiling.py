@@ -1,0 +1,274 @@
+"""Where a decode step's time goes, from torch.profiler (Kineto) traces: the numbers
+`python -m pagedkv.tools.profile` prints side by side for HF and pagedkv.
+
+Per-step numbers come from two profiled runs of the same generate call, with `short` and `long`
+new tokens: (long - short) / (long - short steps), so the prefill and the per-call set-up cancel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+# Host calls that wait for the device (cudaMemcpy without Async blocks the host).
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                        "cudaMemcpy"})
+PHASES = ("prefill", "decode_step", "sample", "metadata", "cache_update")
+# Phases that run once per generate call: the long-minus-short difference would cancel them, so
+# they are reported per call (from the long run) instead of per step.
+ONCE_PER_CALL = frozenset({"prefill"})
+
+
+@dataclasses.dataclass(slots=True)
+class RunTrace:
+    """What one profiled generate call did."""
+
+    wall_ms: float
+    kernel_ms: float  # sum of GPU kernel durations (CPU: time of the top-level ops)
+    busy_ms: float  # union of GPU kernel intervals (CPU: = kernel_ms)
+    kernels: int  # GPU kernel launches, graph-replayed ones included (CPU: top-level ops)
+    allocs: int  # allocations of the caching allocator (CPU: ops that allocated)
+    alloc_bytes: int
+    syncs: int  # host calls that wait for the device
+    kernel_table: dict[str, tuple[float, int]]  # name -> (ms, calls)
+    phases_ms: dict[str, float]  # record_function label -> host ms, labels seen in the trace only
+    # kernel name -> (ms the device sat idle right before its launches, launches): where the
+    # idle gap goes (CUDA only; empty on the CPU)
+    gap_table: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(slots=True)
+class StepProfile:
+    """Per decode step, the difference of a long and a short run divided by the extra steps."""
+
+    system: str
+    wall_ms: float  # under the profiler, whose per-launch cost inflates launch-heavy systems
+    unprofiled_wall_ms: float  # the same step timed without the profiler: the speed to quote
+    kernel_ms: float
+    # Device idle between kernels (CUDA: read off the device timeline, so host noise before the
+    # first kernel and after the last does not enter; CPU: wall time minus the ops' time)
+    gap_ms: float
+    gap_share: float  # of the step's time: busy + idle on CUDA, wall on the CPU
+    kernels: float
+    allocs: float
+    alloc_bytes: float
+    syncs: float
+    top_kernels: list[tuple[str, float, float]]  # (name, ms per step, calls per step)
+    # (kernel name, idle ms per step right before it, launches per step), largest first
+    top_gaps: list[tuple[str, float, float]]
+    # label -> host ms per step (per call for ONCE_PER_CALL); None: the system has no such label
+    phases_ms: dict[str, float | None]
+
+
+def _is_op(name: str) -> bool:
+    return name.startswith(("aten::", "pagedkv::"))
+
+
+def _is_top_level_op(e) -> bool:
+    """A CPU op not called from inside another op: its total time is the work it stands for."""
+    return e.device_type == torch.autograd.DeviceType.CPU and _is_op(e.name) and (
+        e.cpu_parent is None or not _is_op(e.cpu_parent.name))
+
+
+def _gaps_before(kernels: list[tuple[float, float, str]]) -> dict[str, tuple[float, int]]:
+    """kernels: (start us, end us, name). The idle time before each kernel (from the latest end
+    of the kernels before it to its start; 0 where they overlap), summed per kernel name."""
+    table: dict[str, tuple[float, int]] = {}
+    end = None
+    for start, stop, name in sorted(kernels):
+        idle = 0.0 if end is None else max(start - end, 0.0) / 1e3
+        total, calls = table.get(name, (0.0, 0))
+        table[name] = (total + idle, calls + 1)
+        end = stop if end is None else max(end, stop)
+    return table
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total / 1e3
+
+
+@contextlib.contextmanager
+def label_hf_cache_updates():
+    """Wraps HF's DynamicCache layer updates in record_function("cache_update") while active."""
+    from transformers import cache_utils
+
+    layer_cls = getattr(cache_utils, "DynamicLayer", None)
+    if layer_cls is None:
+        yield
+        return
+    original = layer_cls.update
+
+    def update(self, *args, **kwargs):
+        with record_function("cache_update"):
+            return original(self, *args, **kwargs)
+
+    layer_cls.update = update
+    try:
+        yield
+    finally:
+        layer_cls.update = original
+
+
+def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | None = None) -> RunTrace:
+    """Profile one call of fn (already warmed up)."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
+    with profile(activities=activities, profile_memory=not cuda) as prof:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    events = prof.events()
+    kernel_table: dict[str, tuple[float, int]] = {}
+    kernel_spans = []  # (start us, end us, name) of each GPU kernel
+    phases: dict[str, float] = {}
+    syncs = 0
+    for e in events:
+        if e.name in PHASES and e.device_type == torch.autograd.DeviceType.CPU:
+            phases[e.name] = phases.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+        if e.name in SYNC_CALLS and e.device_type == torch.autograd.DeviceType.CPU:
+            syncs += 1
+        # On the device timeline, record_function labels show up too: they are not kernels.
+        if cuda and e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name \
+                and "Memset" not in e.name and e.name not in PHASES:
+            ms = (e.time_range.end - e.time_range.start) / 1e3
+            kernel_spans.append((e.time_range.start, e.time_range.end, e.name))
+        elif not cuda and _is_top_level_op(e):
+            ms = e.cpu_time_total / 1e3
+        else:
+            continue
+        total, calls = kernel_table.get(e.name, (0.0, 0))
+        kernel_table[e.name] = (total + ms, calls + 1)
+    kernel_ms = sum(ms for ms, _ in kernel_table.values())
+    kernels = sum(calls for _, calls in kernel_table.values())
+    if cuda:
+        after = torch.cuda.memory_stats()
+        allocs = after.get("allocation.all.allocated", 0) - before.get("allocation.all.allocated", 0)
+        alloc_bytes = (after.get("allocated_bytes.all.allocated", 0)
+                       - before.get("allocated_bytes.all.allocated", 0))
+        busy_ms = _union_ms([(start, stop) for start, stop, _ in kernel_spans])
+    else:
+        allocating = [e for e in events if e.self_cpu_memory_usage > 0]
+        allocs = len(allocating)
+        alloc_bytes = sum(e.self_cpu_memory_usage for e in allocating)
+        busy_ms = kernel_ms
+    return RunTrace(wall_ms, kernel_ms, busy_ms, kernels, allocs, alloc_bytes, syncs, kernel_table, phases,
+                    _gaps_before(kernel_spans))
+
+
+def idle_ms(trace: RunTrace) -> float:
+    """Device idle between the kernels of one run (0 on the CPU, which has no device timeline)."""
+    return sum(ms for ms, _ in trace.gap_table.values())
+
+
+def quietest(traces: list[RunTrace]) -> RunTrace:
+    """Of repeated runs of one call, the one the host disturbed least (least device idle on CUDA,
+    least wall time on the CPU): a single run's stray host pause (Python's GC, a page fault) can
+    be larger than a whole step's idle time, and would pass for it in a difference of two runs."""
+    return min(traces, key=lambda t: (idle_ms(t), t.wall_ms) if t.gap_table else (t.wall_ms,))
+
+
+def time_run(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Best wall ms of `repeats` calls of fn, not profiled (the device drained before and after).
+    HF's host-bound steps vary by tens of percent from call to call: the best is the comparable."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best
+
+
+def per_step(system: str, short: RunTrace, long: RunTrace, extra_steps: int,
+             unprofiled_ms: tuple[float, float] = (float("nan"), float("nan")),
+             top: int = 8) -> StepProfile:
+    """The steady-state decode step: (long - short) / extra_steps for every number.
+    unprofiled_ms: wall ms of the short and the long call timed without the profiler."""
+    d = float(extra_steps)
+    wall = (long.wall_ms - short.wall_ms) / d
+    busy = (long.busy_ms - short.busy_ms) / d
+    if long.gap_table:  # CUDA: the idle time between kernels, host-caused idle included
+        gap = max((idle_ms(long) - idle_ms(short)) / d, 0.0)
+        span = busy + gap
+    else:
+        gap = max(wall - busy, 0.0)
+        span = wall
+
+    def per_step_rows(long_table, short_table):
+        rows = []
+        for name, (ms, calls) in long_table.items():
+            ms0, calls0 = short_table.get(name, (0.0, 0))
+            rows.append((name, (ms - ms0) / d, (calls - calls0) / d))
+        return sorted(rows, key=lambda r: -r[1])[:top]
+    return StepProfile(
+        system=system, wall_ms=wall, unprofiled_wall_ms=(unprofiled_ms[1] - unprofiled_ms[0]) / d,
+        kernel_ms=(long.kernel_ms - short.kernel_ms) / d, gap_ms=gap,
+        gap_share=gap / span if span > 0 else float("nan"),
+        kernels=(long.kernels - short.kernels) / d, allocs=(long.allocs - short.allocs) / d,
+        alloc_bytes=(long.alloc_bytes - short.alloc_bytes) / d, syncs=(long.syncs - short.syncs) / d,
+        top_kernels=per_step_rows(long.kernel_table, short.kernel_table),
+        top_gaps=per_step_rows(long.gap_table, short.gap_table),
+        phases_ms={p: _phase_ms(p, short, long, d) for p in PHASES},
+    )
+
+
+def _phase_ms(phase: str, short: RunTrace, long: RunTrace, steps: float) -> float | None:
+    if phase not in long.phases_ms:
+        return None
+    if phase in ONCE_PER_CALL:
+        return long.phases_ms[phase]
+    return (long.phases_ms[phase] - short.phases_ms.get(phase, 0.0)) / steps
+
+
+def side_by_side(profiles: list[StepProfile]) -> str:
+    """A plain-text table, one column per system."""
+    def fmt(v: float, spec: str = ".3g") -> str:
+        return format(v, spec)
+
+    rows = [
+        ("wall ms / step, not profiled", [fmt(p.unprofiled_wall_ms) for p in profiles]),
+        ("wall ms / step, profiled", [fmt(p.wall_ms) for p in profiles]),
+        ("kernel ms / step", [fmt(p.kernel_ms) for p in profiles]),
+        ("idle gap ms / step", [fmt(p.gap_ms) for p in profiles]),
+        ("idle gap share", [f"{100 * p.gap_share:.1f}%" for p in profiles]),
+        ("kernel launches / step", [fmt(p.kernels, ".1f") for p in profiles]),
+        ("allocations / step", [fmt(p.allocs, ".1f") for p in profiles]),
+        ("allocated bytes / step", [fmt(p.alloc_bytes, ".3g") for p in profiles]),
+        ("host syncs / step", [fmt(p.syncs, ".2f") for p in profiles]),
+    ]
+    rows += [(f"phase {name} ms / {'call' if name in ONCE_PER_CALL else 'step'}",
+              ["-" if p.phases_ms[name] is None else fmt(p.phases_ms[name]) for p in profiles])
+             for name in PHASES]
+    width = max(len(r[0]) for r in rows) + 2
+    cols = [max(18, len(p.system) + 2) for p in profiles]
+    lines = ["".ljust(width) + "".join(p.system.rjust(c) for p, c in zip(profiles, cols))]
+    lines += [name.ljust(width) + "".join(v.rjust(c) for v, c in zip(values, cols)) for name, values in rows]
+    for p in profiles:
+        lines.append(f"\ntop kernels per step, {p.system}:")
+        lines += [f"  {ms:8.3f} ms  {calls:6.1f} x  {name[:90]}" for name, ms, calls in p.top_kernels]
+    for p in profiles:
+        if p.top_gaps:
+            lines.append(f"\nidle time before these kernels per step, {p.system}:")
+            lines += [f"  {ms:8.3f} ms  {calls:6.1f} x  {name[:90]}" for name, ms, calls in p.top_gaps]
+    return "\n".join(lines)
