@@ -178,6 +178,9 @@ def main() -> None:
         args.num_requests, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 256
     lo, hi = (10, 40) if args.small else (100, 1024)
     prompts, max_tokens = workload(args.num_requests, lo, hi)
+    if device == "cuda":  # the device's ceilings, measured before any workload has run on it
+        copy_gbs, tflops = copy_bandwidth_gbs(device, 4 << 30), matmul_tflops(device)
+        torch.cuda.empty_cache()
     model = build_model(args.small, device)
 
     results, curves = {}, {}
@@ -197,7 +200,6 @@ def main() -> None:
     hf = results.get("HF generate_batch (paged|sdpa)")
     bound_note, bound = "", None
     if device == "cuda":
-        copy_gbs, tflops = copy_bandwidth_gbs(device), matmul_tflops(device)
         decode_s, prefill_s = w2_bound_seconds(model, prompts, max_tokens, copy_gbs, tflops)
         bound = sum(max_tokens) / (decode_s + prefill_s)
         bound_note = (f"\n\nBound (benchmarks/throughput_bound.py): {bound:,.0f} tok/s = every decode step "

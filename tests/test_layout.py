@@ -87,3 +87,19 @@ def test_no_import_cycle():
 def test_files_stay_short(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines; split it by concept"
+
+
+# One runtime: each of these happens in exactly one file of the package.
+ONE_PLACE = {
+    "CUDA graph capture": (("torch.cuda.graph(", "CUDAGraph()"), "runtime/graphs.py"),
+    "step metadata built": ((".build_step(",), "cache/kv_cache.py"),
+    "sampling": (("ops.sample(",), "runtime/sampler.py"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ONE_PLACE))
+def test_one_place(what):
+    needles, home = ONE_PLACE[what]
+    where = sorted(str(p.relative_to(PACKAGE)) for p in SOURCES
+                   if p.name != "ops.py" and any(n in p.read_text() for n in needles))  # ops.py wraps
+    assert where == [home], f"{what} happens in {where}; it belongs in {home} alone"
