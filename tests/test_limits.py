@@ -17,6 +17,7 @@ import pagedkv
 from pagedkv import LLM, SamplingParams
 from limits import (GREEDY, SMALL, assert_cache_clean, assert_generate_works, assert_llm_works, gen,
                     hf_greedy, model, new_llm, prompt)
+from models import tiny_model
 
 
 # -- empty prompt ---------------------------------------------------------------------------------
@@ -234,3 +235,17 @@ def test_invalid_sampling_llm(kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.add_request(prompt(3), SamplingParams(**kwargs))
     assert_llm_works(llm)
+
+
+def test_cuda_graphs_asked_off_cuda_are_refused():
+    """use_cuda_graphs=True on a CPU model: a ValueError naming the argument and the device from
+    generate() and LLM, and nothing left held."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    for call in (lambda: pagedkv.generate(model, ids, max_new_tokens=2, use_cuda_graphs=True),
+                 lambda: pagedkv.LLM(model, use_cuda_graphs=True, num_kv_blocks=8)):
+        with pytest.raises(ValueError, match=r"use_cuda_graphs=True needs a model on a CUDA device, got cpu"):
+            call()
+    cache = pagedkv.kv_cache_of(model)
+    assert cache is None or cache.num_free_blocks == cache.num_blocks
+    assert pagedkv.generate(model, ids, max_new_tokens=2, do_sample=False).shape == (1, 5)

@@ -30,7 +30,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.models.registry import attention_window, check_supported
 from pagedkv.runtime.model import prepared
-from pagedkv.runtime.runner import ModelRunner, StepInput
+from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted
 from pagedkv.runtime.sampler import Sampler
 
 
@@ -99,9 +99,7 @@ class LLM:
             raise ValueError(f"pagedkv.LLM: max_model_len {max_model_len} is more than the model's limit "
                              f"({limit}) or the KV cache's capacity ({capacity} tokens)")
         self.max_model_len = max_model_len or min(limit, capacity)
-        graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        if graphs and self.device.type != "cuda":
-            raise ValueError("pagedkv.LLM: use_cuda_graphs=True needs a model on a CUDA device")
+        graphs = cuda_graphs_wanted(use_cuda_graphs, self.device, "pagedkv.LLM")
         self.runner = ModelRunner(state, self.cache, graphs, max_batch=max_num_seqs)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.vocab_size = w.vocab_size

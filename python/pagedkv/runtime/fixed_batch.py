@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, free_memory_bytes
 from pagedkv.runtime.decode_state import DecodeState
 from pagedkv.runtime.model import PreparedModel
-from pagedkv.runtime.runner import ModelRunner, StepInput, bucket
+from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, cuda_graphs_wanted
 from pagedkv.runtime.sampler import Sampler
 
 BLOCK_SIZE = 16
@@ -81,9 +81,7 @@ class FixedBatch:
         """Returns the new tokens [B, N] (pad after EOS), N <= settings.max_new_tokens.
         use_cuda_graphs: default on for CUDA models."""
         model = self.model
-        graphs = (model.device.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
-        if graphs and model.device.type != "cuda":
-            raise ValueError("pagedkv: use_cuda_graphs=True needs a model on a CUDA device")
+        graphs = cuda_graphs_wanted(use_cuda_graphs, model.device, "pagedkv.generate")
         max_new = settings.max_new_tokens
         longest = max(len(p) for p in prompts) + max_new
         if longest > model.max_positions:

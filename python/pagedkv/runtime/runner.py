@@ -34,6 +34,13 @@ def bucket(batch: int, limit: int | None = None) -> int:
     return padded if limit is None else max(min(padded, limit), batch)
 
 
+def cuda_graphs_wanted(requested: bool | None, device: torch.device, caller: str) -> bool:
+    """A use_cuda_graphs argument resolved: None means on for CUDA models; True off CUDA raises."""
+    if requested and device.type != "cuda":
+        raise ValueError(f"{caller}: use_cuda_graphs=True needs a model on a CUDA device, got {device}")
+    return device.type == "cuda" if requested is None else bool(requested)
+
+
 @dataclasses.dataclass(slots=True)
 class StepInput:
     """One step: rows (cache sequences) and the new tokens each computes, flat in row order."""
@@ -48,8 +55,7 @@ class ModelRunner:
     def __init__(self, model: PreparedModel, cache: KVCache, use_cuda_graphs: bool,
                  max_batch: int | None = None):
         """max_batch: most rows of a decode step (caps its bucket); use_cuda_graphs needs CUDA."""
-        if use_cuda_graphs and model.device.type != "cuda":
-            raise ValueError("pagedkv: use_cuda_graphs=True needs a model on a CUDA device")
+        cuda_graphs_wanted(use_cuda_graphs, model.device, "pagedkv")
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -74,7 +80,7 @@ class ModelRunner:
         if decode:
             full = self._decode(meta, ids)  # [num_tokens, V], padding rows included
             if rows is None or rows == list(range(num_rows)):
-                return full[:num_rows] if rows is not None else full[:len(step.token_ids)]
+                return full[:num_rows]  # a decode row is one token: rows and tokens coincide
             return full[torch.tensor(rows, dtype=torch.int64, device=self.device)]
         ids = ids.to(self.device, non_blocking=True)
         index = None if rows is None else \
