@@ -128,6 +128,11 @@ void register_cache_bindings(py::module_& m) {
              return copies_to_list(copies);
            },
            py::arg("seq_ids"), py::arg("token_ids"))
+      .def("set_pending_tokens",
+           [](CacheManager& self, py::handle seq_ids, py::handle tokens) {
+             self.set_pending_tokens(read_ints<int64_t>(seq_ids, "seq_ids"), read_ints<int32_t>(tokens, "token_ids"));
+           },
+           py::arg("seq_ids"), py::arg("token_ids"))
       .def("fork", &CacheManager::fork, py::arg("parent_id"), py::arg("child_id"))
       .def("free", &CacheManager::free_sequence, py::arg("seq_id"), py::arg("keep_cached") = true)
       .def("blocks_needed_to_add",

@@ -53,3 +53,17 @@ def _parse_shard(text: str) -> tuple[int, int]:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=[False, True], ids=["serial", "overlap"])
+def engine_overlap(request, monkeypatch):
+    """Engines made without an overlap_steps argument run serially, then overlapped (each step
+    launched before the one before it is read back; on CUDA the default, here forced on the CPU
+    so that every engine test also checks the overlapped step loop). Use with
+    pytestmark = pytest.mark.usefixtures("engine_overlap")."""
+    import pagedkv.engine.llm as llm_module
+
+    default = request.param
+    monkeypatch.setattr(llm_module, "overlap_wanted",
+                        lambda requested, device: default if requested is None else bool(requested))
+    return default

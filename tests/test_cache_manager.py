@@ -124,6 +124,62 @@ def test_reserve_takes_slots_for_unknown_tokens_which_never_enter_the_prefix_cac
     assert cache.add_sequence(1, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4  # only the prompt's full block
 
 
+def test_a_pending_token_keys_its_block_only_once_named():
+    # The engine reserves the slot of a token it sampled but has not read back (PENDING_TOKEN);
+    # the block that token fills must not be found by a prefix until the token is known.
+    cache = make_cache(block_size=4)
+    cache.add_sequence(0, [1, 2, 3])
+    cache.append_batch([0], [pagedkv.cache.PENDING_TOKEN])  # fills block 0 with an unknown token
+    assert cache.seq_len(0) == 4 and cache.block_table(0) == [0]
+    assert cache.add_sequence(1, [1, 2, 3, 4, 5]) == 0  # not findable yet
+    cache.free(1)
+    cache.set_pending_tokens([0], [4])
+    assert cache.add_sequence(2, [1, 2, 3, 4, 5]) == 4  # now it is, under the named token
+    assert cache.add_sequence(3, [1, 2, 3, 7, 5]) == 0  # and under no other
+    cache.append_batch([0], [5])  # appends go on once named
+    assert cache.seq_len(0) == 5
+
+
+def test_a_pending_token_in_a_partial_block_is_keyed_when_the_block_fills():
+    cache = make_cache(block_size=4)
+    cache.add_sequence(0, [1, 2])
+    cache.append_batch([0], [pagedkv.cache.PENDING_TOKEN])
+    cache.set_pending_tokens([0], [3])
+    cache.append_batch([0], [4])
+    assert cache.add_sequence(1, [1, 2, 3, 4, 5]) == 4
+
+
+def test_pending_token_errors_change_nothing():
+    cache = make_cache(block_size=4)
+    cache.add_sequence(0, [1, 2, 3])
+    cache.add_sequence(1, [1, 2])
+    cache.append_batch([0], [-1])
+    before = state(cache)
+    with pytest.raises(ValueError, match="not known yet"):
+        cache.append_batch([1, 0], [5, 6])  # sequence 0 still waits for its token
+    with pytest.raises(ValueError, match="not known yet"):
+        cache.append_tokens(0, [5])
+    with pytest.raises(ValueError, match="append_tokens got token -1"):
+        cache.append_tokens(1, [-1])
+    with pytest.raises(ValueError, match="cannot hold token -1"):
+        cache.add_sequence(2, [1, -1])
+    with pytest.raises(ValueError, match="no slot waiting"):
+        cache.set_pending_tokens([0, 1], [4, 4])  # sequence 1 has none: all or nothing
+    with pytest.raises(ValueError, match="token ids are >= 0"):
+        cache.set_pending_tokens([0], [-1])
+    with pytest.raises(ValueError, match="one token per sequence"):
+        cache.set_pending_tokens([0], [4, 4])
+    with pytest.raises(KeyError):
+        cache.set_pending_tokens([7], [4])
+    assert state(cache) == before
+    cache.set_pending_tokens([0], [4])
+    with pytest.raises(ValueError, match="no slot waiting"):
+        cache.set_pending_tokens([0], [4])  # once only
+    cache.append_batch([1], [-1])
+    cache.free(1)  # a sequence may be dropped with its token pending
+    assert not cache.has_sequence(1)
+
+
 def test_tokens_may_come_as_a_cpu_tensor():
     cache = make_cache(block_size=4)
     cache.add_sequence(0, torch.tensor([1, 2, 3]))

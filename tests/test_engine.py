@@ -13,6 +13,9 @@ import pagedkv
 from pagedkv import LLM, SamplingParams
 from models import tiny_model
 
+# Every test runs with the engine stepping serially and overlapped (conftest.engine_overlap).
+pytestmark = pytest.mark.usefixtures("engine_overlap")
+
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 

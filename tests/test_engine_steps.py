@@ -9,6 +9,9 @@ import pytest
 from pagedkv import LLM, SamplingParams
 from test_engine import assert_no_leaks, hf_greedy, model, random_prompts, sampled
 
+# Every test runs with the engine stepping serially and overlapped (conftest.engine_overlap).
+pytestmark = pytest.mark.usefixtures("engine_overlap")
+
 
 def test_n_samples_fork_when_the_last_prompt_chunk_is_one_token():
     # 17 tokens in a budget of 16: the prompt's last token runs alone, as a decode row (one new

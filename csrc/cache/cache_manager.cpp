@@ -81,6 +81,12 @@ void CacheManager::check_free_blocks(int64_t needed, const char* what) const {
 void CacheManager::check_prompt(std::span<const int32_t> tokens) const {
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n < 1) throw std::invalid_argument("pagedkv: a sequence needs at least one token, got none");
+  for (const int32_t t : tokens) {
+    if (t == kPendingToken) {
+      throw std::invalid_argument("pagedkv: a prompt cannot hold token -1 (it marks a slot whose token "
+                                  "is not known yet, in append_batch)");
+    }
+  }
   if (n > max_seq_len_) {
     throw std::invalid_argument("pagedkv: a prompt of " + str(n) + " tokens is longer than max_seq_len " +
                                 str(max_seq_len_));
@@ -163,6 +169,10 @@ int64_t CacheManager::add_sequence(int64_t seq_id, std::span<const int32_t> toke
 CacheManager::AppendPlan CacheManager::plan_append(Sequence& seq, int64_t seq_id, int64_t n,
                                                    std::unordered_map<int32_t, int32_t>& unref) const {
   if (n < 0) throw std::invalid_argument("pagedkv: cannot append " + str(n) + " tokens");
+  if (seq.pending != 0) {
+    throw std::invalid_argument("pagedkv: sequence " + str(seq_id) + " has a slot whose token is not "
+                                "known yet; name it with set_pending_tokens before appending more");
+  }
   if (seq.num_tokens + n > max_seq_len_) {
     throw std::invalid_argument("pagedkv: sequence " + str(seq_id) + " has " + str(seq.num_tokens) +
                                 " tokens; " + str(n) + " more would pass max_seq_len " +
@@ -204,14 +214,45 @@ void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n
   for (int64_t i = 0; i < n; ++i) {
     if (seq.num_tokens % block_size_ == 0) seq.blocks.push_back(allocator_.allocate());
     ++seq.num_tokens;
+    if (tokens != nullptr && tokens[i] == kPendingToken) seq.pending = 1;  // only n == 1 passes one
     if (!prefix_caching_ || !seq.keyable) continue;
     seq.tail_tokens.push_back(tokens[i]);
-    if (static_cast<int32_t>(seq.tail_tokens.size()) == block_size_) {
-      const uint64_t key = chain_hash(seq.last_full_key, seq.tail_tokens.data(), block_size_);
-      allocator_.register_full(seq.blocks.back(), key, seq.last_full_key, seq.tail_tokens.data());
-      seq.last_full_key = key;
-      seq.tail_tokens.clear();
+    if (seq.pending == 0) register_if_full(seq);
+  }
+}
+
+void CacheManager::register_if_full(Sequence& seq) {
+  if (static_cast<int32_t>(seq.tail_tokens.size()) != block_size_) return;
+  const uint64_t key = chain_hash(seq.last_full_key, seq.tail_tokens.data(), block_size_);
+  allocator_.register_full(seq.blocks.back(), key, seq.last_full_key, seq.tail_tokens.data());
+  seq.last_full_key = key;
+  seq.tail_tokens.clear();
+}
+
+void CacheManager::set_pending_tokens(std::span<const int64_t> seq_ids, std::span<const int32_t> tokens) {
+  if (seq_ids.size() != tokens.size()) {
+    throw std::invalid_argument("pagedkv: set_pending_tokens takes one token per sequence: got " +
+                                str(seq_ids.size()) + " sequence ids and " + str(tokens.size()) +
+                                " tokens");
+  }
+  const uint64_t mark = new_batch_mark();
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    const Sequence& seq = batch_member(seq_ids[i], mark);
+    if (seq.pending == 0) {
+      throw std::invalid_argument("pagedkv: sequence " + str(seq_ids[i]) + " has no slot waiting for "
+                                  "its token (append_batch with token -1 makes one)");
     }
+    if (tokens[i] < 0) {
+      throw std::invalid_argument("pagedkv: set_pending_tokens got token " + str(tokens[i]) +
+                                  " for sequence " + str(seq_ids[i]) + "; token ids are >= 0");
+    }
+  }
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    Sequence& seq = find(seq_ids[i]);
+    seq.pending = 0;
+    if (!prefix_caching_ || !seq.keyable) continue;
+    seq.tail_tokens.back() = tokens[i];
+    register_if_full(seq);
   }
 }
 
@@ -219,6 +260,12 @@ void CacheManager::append_tokens(int64_t seq_id, std::span<const int32_t> tokens
                                  std::vector<BlockCopy>& copies) {
   Sequence& seq = find(seq_id);
   const int64_t n = static_cast<int64_t>(tokens.size());
+  for (const int32_t t : tokens) {
+    if (t == kPendingToken) {
+      throw std::invalid_argument("pagedkv: append_tokens got token -1; a slot for a token not known "
+                                  "yet is reserved by append_batch");
+    }
+  }
   unref_scratch_.clear();
   const AppendPlan plan = plan_append(seq, seq_id, n, unref_scratch_);
   check_free_blocks(plan.copy_last + plan.new_blocks, "appending to a sequence");

@@ -29,9 +29,14 @@ class CacheManager {
   // Slots for num_tokens tokens whose ids are not known yet (e.g. generate() reserving a whole
   // generation up front). The sequence's blocks from here on never enter the prefix cache.
   void reserve(int64_t seq_id, int64_t num_tokens, std::vector<BlockCopy>& copies);
-  // One more token for each sequence (a decode step), all or nothing.
+  // One more token for each sequence (a decode step), all or nothing. A token of kPendingToken
+  // reserves the slot of a token not known yet; set_pending_tokens names it later, and the
+  // sequence takes no other append until then.
   void append_batch(std::span<const int64_t> seq_ids, std::span<const int32_t> tokens,
                     std::vector<BlockCopy>& copies);
+  // The tokens of pending slots, one per sequence, all or nothing; a block they fill enters the
+  // prefix cache now.
+  void set_pending_tokens(std::span<const int64_t> seq_ids, std::span<const int32_t> tokens);
   // A new sequence sharing all of the parent's blocks (and tokens) by reference count.
   void fork(int64_t parent_id, int64_t child_id);
   // Drops the sequence; its blocks go back (cached full blocks stay findable until evicted, unless
@@ -76,6 +81,8 @@ class CacheManager {
   // n more tokens; `tokens` is read only while the sequence is keyable (reserve passes none).
   void write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n, const int32_t* tokens,
                     std::vector<BlockCopy>& copies);
+  // A tail of block_size known tokens: key the last block and make it findable.
+  void register_if_full(Sequence& seq);
   // Prefix-cache keys of the prompt's full blocks and the leading ones found cached (`hits`);
   // returns how many of the hits have no owner now (reviving them takes them from the free count).
   int32_t match_prefix(std::span<const int32_t> tokens, std::vector<uint64_t>& keys,

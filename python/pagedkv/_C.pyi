@@ -54,7 +54,9 @@ class CacheManager:
     def reserve(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Slots for tokens not known yet; the sequence's later blocks are never prefix-cached."""
     def append_batch(self, seq_ids: Ints, token_ids: Ints) -> list[tuple[int, int]]:
-        """One token per sequence, all or nothing."""
+        """One token per sequence, all or nothing; -1 reserves a slot whose token comes later."""
+    def set_pending_tokens(self, seq_ids: Ints, token_ids: Ints) -> None:
+        """The tokens of slots append_batch reserved with -1, all or nothing."""
     def fork(self, parent_id: int, child_id: int) -> None: ...
     def free(self, seq_id: int, keep_cached: bool = True) -> None: ...
     def blocks_needed_to_add(self, token_ids: Ints) -> int: ...

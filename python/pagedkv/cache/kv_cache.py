@@ -18,6 +18,9 @@ CacheFull = _C.CacheFull
 was changed: free or preempt a sequence and try again, or ask ``can_allocate`` first."""
 
 
+PENDING_TOKEN = -1  # append_batch: the slot of a token not read back yet (set_pending_tokens)
+
+
 def copy_blocks(cache: KVCache, copies: Sequence[tuple[int, int]]) -> None:
     """Copy-on-write on the device, on the current stream: block ``src`` to block ``dst`` for
     each (src, dst) pair the cache manager returned, in every layer's K and V (one launch)."""
@@ -125,8 +128,16 @@ class KVCache:
     def append_batch(self, seq_ids: Sequence[int] | torch.Tensor, token_ids: Sequence[int] | torch.Tensor) -> None:
         """Reserve one slot per sequence for a decode step (token_ids[i] for seq_ids[i]): all or
         nothing. A sequence that shares a partly filled last block gets a copy of it first.
-        Ids and tokens: lists of ints or 1-D CPU int32/int64 tensors."""
+        Ids and tokens: lists of ints or 1-D CPU int32/int64 tensors. A token of PENDING_TOKEN
+        (-1) reserves the slot of a token sampled but not read back yet (the engine schedules a
+        step ahead); set_pending_tokens names it, and the sequence takes no other append until
+        then (nor does the block it fills enter the prefix cache)."""
         copy_blocks(self, self.manager.append_batch(seq_ids, token_ids))
+
+    def set_pending_tokens(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """The tokens of the slots append_batch reserved with PENDING_TOKEN, one per sequence,
+        all or nothing."""
+        self.manager.set_pending_tokens(seq_ids, token_ids)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """A new sequence sharing all of the parent's tokens and blocks (copy-on-write)."""

@@ -1,7 +1,7 @@
 """pagedkv.LLM: continuous batching of many requests on the model runner."""
 
-from pagedkv.engine.llm import LLM, EngineStats
-from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams"]

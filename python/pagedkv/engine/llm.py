@@ -9,11 +9,16 @@ Each step the scheduler (scheduler.py) picks the sequences to run and reserves t
 slots; the model runner (runtime/runner.py) runs their decode tokens and prefill chunks as one
 flat batch, the sampler draws a token for every sequence that reached its end, and finished
 sequences free their blocks at once. The engine decides who runs; the runner how.
+
+On CUDA the engine overlaps its host work with the device: each step() launches the next step
+before it reads the current one's tokens back (launched_step.py), so scheduling, metadata and the
+caller's own work run while the device computes. A sequence that a read-back shows has stopped
+(a stop token) computed one more row in the step already launched; that row is dropped.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import itertools
 import random
 import time
@@ -22,27 +27,24 @@ from typing import Iterable, Iterator, Sequence as Seq
 import torch
 
 from pagedkv.cache import KVCache, KVCacheSpec, num_blocks_for
-from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, request_output
+from pagedkv.engine.launched_step import LaunchedStep, pending_inputs
+from pagedkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from pagedkv.engine.prompts import Prompt, batch_of, load_model, tokenize_prompt
 from pagedkv.engine.request import Request, Sequence, Status
 from pagedkv.engine.sampling_batch import SamplingBatch
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.step_outputs import finished_outputs, partial_outputs
 from pagedkv.models.registry import attention_window, check_supported
 from pagedkv.runtime.model import prepared
-from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted
+from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted, to_device
 from pagedkv.runtime.sampler import Sampler
 
 
-@dataclasses.dataclass(slots=True)
-class EngineStats:
-    """Counters since the engine was made."""
-
-    num_steps: int = 0
-    num_prompt_tokens_computed: int = 0  # prompt (or recomputed) tokens run through the model
-    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache instead
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
+def overlap_wanted(requested: bool | None, device: torch.device) -> bool:
+    """An overlap_steps argument resolved: None means on for CUDA models (on the CPU every op
+    runs as it is called, so a step launched ahead only adds work)."""
+    return device.type == "cuda" if requested is None else bool(requested)
 
 
 class LLM:
@@ -57,14 +59,16 @@ class LLM:
     ``num_kv_blocks``. max_model_len: longest sequence, prompt + output (default: the model's
     limit, at most the cache's capacity).
     use_cuda_graphs: replay decode-only steps as CUDA graphs, one per batch bucket (default on
-    for CUDA models).
+    for CUDA models). overlap_steps: launch each step before the previous one's tokens are read
+    back (default on for CUDA models; off, every step waits for the one before).
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_memory: int | float | None = None,
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
-                 use_cuda_graphs: bool | None = None, dtype: torch.dtype | None = None):
+                 use_cuda_graphs: bool | None = None, overlap_steps: bool | None = None,
+                 dtype: torch.dtype | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"pagedkv.LLM: max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -118,6 +122,8 @@ class LLM:
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._seq_counter = itertools.count()
+        self.overlap_steps = overlap_wanted(overlap_steps, self.device)
+        self._launched: collections.deque[LaunchedStep] = collections.deque()  # oldest first, <= 2
 
     def _cache_sizing(self, kv_cache_memory, num_kv_blocks) -> dict:
         if kv_cache_memory is not None and num_kv_blocks is not None:
@@ -193,34 +199,57 @@ class LLM:
         return self._step(partial)
 
     def _step(self, partial: bool) -> list[RequestOutput]:
+        launched = self._launched
+        if not launched:
+            step = self._launch()
+            if step is None:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError("pagedkv.LLM: no waiting request fits the empty engine (a bug: "
+                                       "add_request checks that each one fits)")
+                return []
+            launched.append(step)
+        if self.overlap_steps and len(launched) == 1:
+            ahead = self._launch()  # the next step, queued behind this one on the device
+            if ahead is not None:
+                launched.append(ahead)
+        return self._read_back(partial)
+
+    def _launch(self) -> LaunchedStep | None:
+        """Schedule a step and queue its forward and sampling on the device; None if nothing runs."""
         sched = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not sched.decodes and not sched.prefills:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("pagedkv.LLM: no waiting request fits the empty engine (a bug: "
-                                   "add_request checks that each one fits)")
-            return []
+            return None
         self.stats.num_steps += 1
         self.stats.num_cached_prompt_tokens += sched.num_cached_tokens
         self.stats.num_prompt_tokens_computed += sum(r.num_new for r in sched.prefills)
         try:
-            samplers, tokens, repeat = self._run(sched)
+            return self._run(sched)
         except BaseException:
             # Slots were reserved for work that did not happen: compute these requests again.
             failed = {id(s.request) for s in sched.decodes}
             failed.update(id(r.seq.request) for r in sched.prefills)
             self.scheduler.recompute([s for s in self.scheduler.running if id(s.request) in failed])
             raise
+
+    def _read_back(self, partial: bool) -> list[RequestOutput]:
+        """Wait for the oldest launched step's tokens and hand them to their sequences."""
+        step = self._launched[0]
+        tokens = step.read()  # an interrupt here leaves the step launched, to be read next time
+        self._launched.popleft()
         now = time.perf_counter()
-        for seq in () if repeat else samplers:  # a repeated batch has had its first tokens
-            metrics = seq.request.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-        # The loop over every sample of the step: kept to an append and two cheap tests.
+        # The loop over every sample of the step: kept to an append and a few cheap tests.
         ended: list[Request] = []
-        for seq, token in zip(samplers, tokens):
+        got: list[Sequence] = []
+        named_ids: list[int] = []  # cache slots reserved for these tokens before they were known
+        named: list[int] = []
+        for seq, token in zip(step.samplers, tokens):
+            if seq.status is Status.FINISHED:  # stopped in the step before, or aborted
+                continue
+            seq.pending -= 1
             token_ids = seq.token_ids
             token_ids.append(token)
+            got.append(seq)
             request = seq.request
             if token in request.stop_ids:
                 self.scheduler.finish(seq, "stop")
@@ -228,51 +257,26 @@ class LLM:
             elif len(token_ids) >= request.max_len:
                 self.scheduler.finish(seq, "length")
                 ended.append(request)
-        self.stats.num_generated_tokens += len(samplers)
-        return self._partial_outputs(samplers, ended, now) if partial else self._finished_outputs(ended, now)
+            elif seq.pending_in_cache:
+                seq.pending_in_cache = False
+                named_ids.append(seq.seq_id)
+                named.append(token)
+        if named_ids:
+            self.cache.set_pending_tokens(named_ids, named)
+        if self._launched and not self._launched[0].has_live_samples():
+            self._launched.popleft()  # every sample of the step ahead ended: nothing to read
+        for seq in () if step.repeat else got:  # a repeated batch has had its first tokens
+            metrics = seq.request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+        self.stats.num_generated_tokens += len(got)
+        if partial:
+            return partial_outputs(got, ended, now, self._requests, self.tokenizer)
+        return finished_outputs(ended, now, self._requests, self.tokenizer)
 
-    def _finished_outputs(self, ended: list[Request], now: float) -> list[RequestOutput]:
-        outputs = []
-        for request in dict.fromkeys(ended):  # a request once, even if several samples ended
-            if request.finished:
-                outputs.append(self._finish(request, now))
-        return outputs
-
-    def _partial_outputs(self, samplers: list[Sequence], ended: list[Request],
-                         now: float) -> list[RequestOutput]:
-        """An output per request that sampled, in the order of the step's samples. The common
-        case, a running request of one sample, is built inline: at 256 running requests this
-        loop is most of a streaming step's host time."""
-        ended_set = set(ended)
-        tokenizer = self.tokenizer
-        outputs = []
-        append = outputs.append
-        # dict.fromkeys: each request once (n > 1 samples of one request sample in one step).
-        for request in dict.fromkeys([s.request for s in samplers]):
-            if request in ended_set and request.finished:
-                append(self._finish(request, now))
-            elif len(request.sequences) == 1 and request.sequences[0].finish_reason is None:
-                seq = request.sequences[0]
-                tokens = seq.token_ids
-                completion = CompletionOutput(seq.index, None, None, tokenizer,
-                                              request.params.skip_special_tokens,
-                                              (tokens, seq.prompt_len, len(tokens)))
-                append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                                     [completion], False, request.metrics,
-                                     request.num_cached_prompt_tokens))
-            else:
-                append(self._output(request, False))
-        return outputs
-
-    def _finish(self, request: Request, now: float) -> RequestOutput:
-        request.metrics.finished_time = now
-        del self._requests[request.request_id]
-        return self._output(request, True)
-
-    def _run(self, sched: SchedulerOutput) -> tuple[list[Sequence], list[int], bool]:
-        """The forward and sampling of one step; returns the sequences that sampled, their new
-        tokens, and whether the same sequences sampled in the step before (SamplingBatch.repeats).
-        Advances num_computed, forks n > 1 samples once their prompt is computed."""
+    def _run(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queue the forward and sampling of one step. Advances num_computed, forks n > 1
+        samples once their prompt is computed."""
         decodes, prefills = sched.decodes, sched.prefills
         decode_only = all(r.num_new == 1 for r in prefills)
         seq_ids = sched.decode_ids + [r.seq.seq_id for r in prefills] if prefills else sched.decode_ids
@@ -286,13 +290,14 @@ class LLM:
             if r.samples:
                 logits_rows.append(len(tokens) - 1)
                 samplers.append(r.seq)
-        logits = self.runner.run(StepInput(seq_ids, tokens, query_lens, logits_rows))  # [S, V]
+        pending = pending_inputs(decodes, self._launched[-1]) if self._launched and decodes else None
+        logits = self.runner.run(StepInput(seq_ids, tokens, query_lens, logits_rows, pending))  # [S, V]
         for seq in decodes:
             seq.num_computed += 1
         for r in prefills:
             r.seq.num_computed += r.num_new
         if not samplers:
-            return [], [], False
+            return LaunchedStep([], False)
 
         # n > 1: fork the samples once the prompt is computed; they share its logits row. A
         # repeated batch has no forks pending: they were made when its sequences sampled before.
@@ -305,11 +310,11 @@ class LLM:
                     samplers += children
                     row_of += [i] * len(children)
             if len(row_of) > len(logits_rows):
-                logits = logits[torch.tensor(row_of, device=self.device)]
+                logits = logits[to_device(row_of, self.device)]
         # With CUDA graphs the logits view the graph's output; the sampler runs on the same
         # stream before the next replay overwrites them.
         sampler = self.sampling.prepare(samplers, self.stats.num_steps, repeat)
-        return samplers, sampler(logits).tolist(), repeat
+        return LaunchedStep.sampled(samplers, repeat, sampler(logits))
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         request = parent.request
@@ -324,9 +329,6 @@ class LLM:
         request.sequences += children
         self.scheduler.insert_after(parent, children)
         return children
-
-    def _output(self, request: Request, finished: bool) -> RequestOutput:
-        return request_output(request, finished, self.tokenizer)
 
     # -- batch and streaming APIs ---------------------------------------------------------------
     def _add_all(self, prompts, sampling_params) -> list[str]:

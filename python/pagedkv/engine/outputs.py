@@ -1,8 +1,20 @@
-"""What pagedkv.LLM returns per request: the completions, their finish reasons and timings."""
+"""What pagedkv.LLM reports: per request, the completions, their finish reasons and timings;
+for the engine, its counters (EngineStats)."""
 
 from __future__ import annotations
 
 import dataclasses
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine was made."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt (or recomputed) tokens run through the model
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache instead
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
 
 
 @dataclasses.dataclass(slots=True)

@@ -6,6 +6,10 @@ have K/V in the cache (computed, or found in the prefix cache). While it runs, a
 - prefilling: more than one token left to compute (its prompt, or prompt + output after a
   preemption), computed in chunks;
 - decoding: exactly one token left (the last sampled one), fed in the next step.
+
+A sequence that sampled in a step whose tokens are not read back yet is ``pending``: its token
+counts as its last (the engine schedules the next step on the device while this one runs, and
+that step reads the token on the device); ``pending_in_cache`` when a cache slot is reserved for it.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class Sequence:
     num_computed: int = 0
     in_cache: bool = False
     pending_forks: int = 0  # samples still to fork from this one once its prompt is computed
+    pending: int = 0  # sampled tokens on their way back from the device (at most 1 when scheduling)
+    pending_in_cache: bool = False  # its cache slot was reserved with KVCache.PENDING_TOKEN
     finish_reason: str | None = None
 
     @property
@@ -68,8 +74,8 @@ class Sequence:
 
     @property
     def num_left(self) -> int:
-        """Tokens to compute before the next sample."""
-        return len(self.token_ids) - self.num_computed
+        """Tokens to compute before the next sample (a pending one included)."""
+        return len(self.token_ids) + self.pending - self.num_computed
 
     @property
     def is_decoding(self) -> bool:

@@ -26,7 +26,8 @@ class SamplingBatch:
 
     def prepare(self, seqs: list[Sequence], step: int, repeat: bool) -> Sampler:
         """The sampler with seqs' parameters in its first rows (in order); repeat: what
-        repeats(seqs, step) said."""
+        repeats(seqs, step) said. A row's RNG offset counts a pending token (sampled in the step
+        before, not read back yet) as generated."""
         self._step = step
         if repeat:
             self.sampler.advance_offsets(len(seqs))  # stream-ordered after the last step's sampling
@@ -35,5 +36,5 @@ class SamplingBatch:
         params = [s.request.params for s in seqs]
         self.sampler.set_rows([p.temperature for p in params],
                               [p.top_k for p in params], [p.top_p for p in params],
-                              [s.seed for s in seqs], [s.num_output for s in seqs])
+                              [s.seed for s in seqs], [s.num_output + s.pending for s in seqs])
         return self.sampler

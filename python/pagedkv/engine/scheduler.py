@@ -12,6 +12,12 @@ Policy (one step, budget = max_num_batched_tokens new tokens, at most max_num_se
    cache are not computed again. A prompt longer than the left budget is chunked: its first
    chunk is added now, the rest is appended by later steps, so every block the cache can hand
    to another prompt as a prefix hit has its K/V written by the step that reserved it.
+
+Scheduled while the step before still runs (the engine overlaps the two), a sequence that sampled
+in that step is `pending`: its token is not known on the host yet. It decodes as usual, its slot
+reserved with PENDING_TOKEN (the runner reads the token on the device, the engine names it to the
+cache once read back), unless that token is its last (max_len): then it is left out. A pending
+sequence that waits (preempted) is not admitted again before its token is read back.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import collections
 import dataclasses
 import time
 
-from pagedkv.cache import CacheFull, KVCache
+from pagedkv.cache import PENDING_TOKEN, CacheFull, KVCache
 from pagedkv.engine.request import Sequence, Status
 
 
@@ -41,7 +47,7 @@ class SchedulerOutput:
     # spend ~100 us making them); the ids and last tokens are the ones append_batch reserved.
     decodes: list[Sequence]  # one new token each (their last), in running order
     decode_ids: list[int]  # [s.seq_id for s in decodes]
-    decode_tokens: list[int]  # [s.token_ids[-1] for s in decodes]
+    decode_tokens: list[int]  # [s.token_ids[-1] for s in decodes]; PENDING_TOKEN where s.pending
     prefills: list[ScheduledRow]  # prefill chunks, after the decode rows
     preempted: list[Sequence]
     num_cached_tokens: int  # prompt tokens found in the prefix cache by this step's admissions
@@ -74,13 +80,26 @@ class Scheduler:
         preempted: list[Sequence] = []
         decodes: list[Sequence] = []
         prefilling: list[Sequence] = []
+        any_pending = False
         for s in self.running:  # s.is_decoding, inlined: this loop runs over every sequence
+            if s.pending:
+                if len(s.token_ids) + 1 < s.request.max_len:  # else the read-back finishes it
+                    decodes.append(s)
+                    any_pending = True
+                continue
             (decodes if s.in_cache and len(s.token_ids) - s.num_computed == 1 else prefilling).append(s)
         decode_ids = [s.seq_id for s in decodes]
-        decode_tokens = [s.token_ids[-1] for s in decodes]
+        if any_pending:
+            decode_tokens = [PENDING_TOKEN if s.pending else s.token_ids[-1] for s in decodes]
+        else:
+            decode_tokens = [s.token_ids[-1] for s in decodes]
         while decodes:
             try:  # all or nothing: CacheFull changes nothing
                 self.cache.append_batch(decode_ids, decode_tokens)
+                if any_pending:
+                    for s in decodes:
+                        if s.pending:
+                            s.pending_in_cache = True
                 break
             except CacheFull:
                 victim = self.running[-1]
@@ -119,7 +138,7 @@ class Scheduler:
         slots = self._seq_slots() if self.waiting else 0
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if slots + 1 + seq.pending_forks > self.max_num_seqs:
+            if seq.pending or slots + 1 + seq.pending_forks > self.max_num_seqs:
                 break
             admitted = self._admit(seq, budget)
             if admitted is None:
@@ -177,6 +196,7 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.in_cache = False
+        seq.pending_in_cache = False
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -196,23 +216,23 @@ class Scheduler:
             self.running.remove(seq)
             self.cache.free(seq.seq_id, keep_cached=False)
             seq.in_cache = False
+            seq.pending_in_cache = False
             seq.num_computed = 0
             seq.status = Status.WAITING
             self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        self.running.remove(seq)
-        self.cache.free(seq.seq_id)
-        seq.in_cache = False
-        seq.status = Status.FINISHED
+        """The sequence ended (running, or waiting after a preemption while its token came back)."""
+        self.abort(seq)
         seq.finish_reason = reason
 
     def abort(self, seq: Sequence) -> None:
-        if seq in self.running:
+        if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         if seq.in_cache:
             self.cache.free(seq.seq_id)
             seq.in_cache = False
+            seq.pending_in_cache = False
         seq.status = Status.FINISHED

@@ -10,6 +10,10 @@ CUDA graph (runtime/graphs.py, the one capture place); steps with longer rows ru
 generate()'s fixed batch (runtime/fixed_batch.py) and pagedkv.LLM (engine/llm.py) both run on
 this class: the prefill of generate() is a step like the engine's, and its decode steps capture
 the runner's forward together with the sampler and the on-device advance.
+
+Nothing here waits for the device: host inputs go through pinned memory, so the engine can build
+and launch step N+1 while step N runs. A row whose input token step N sampled and nobody has read
+back yet takes it on the device (PendingTokens).
 """
 
 from __future__ import annotations
@@ -41,14 +45,45 @@ def cuda_graphs_wanted(requested: bool | None, device: torch.device, caller: str
     return device.type == "cuda" if requested is None else bool(requested)
 
 
+def host_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 CPU tensor of values, pinned when it is going to a CUDA device: a copy from
+    pageable memory may wait for the stream, which would end the overlap of host and device."""
+    return torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    return host_tensor(values, device).to(device, non_blocking=True)
+
+
+@dataclasses.dataclass(slots=True)
+class PendingTokens:
+    """Input tokens still on the device: token rows[i] of a step is source[from_rows[i]], the
+    sample of an earlier step not read back yet. rows None: tokens [0, n) are source[0, n)."""
+
+    source: torch.Tensor  # [S] int64 on the model's device: an earlier step's samples
+    n: int
+    rows: list[int] | None = None  # [n] token indices of the step
+    from_rows: list[int] | None = None  # [n] indices into source
+
+    def fill(self, ids: torch.Tensor) -> None:
+        """Write the pending tokens into ids [T] (on the device), stream-ordered."""
+        if self.rows is None:
+            ids[:self.n].copy_(self.source[:self.n])
+        else:
+            device = ids.device
+            ids.index_copy_(0, to_device(self.rows, device),
+                            self.source.index_select(0, to_device(self.from_rows, device)))
+
+
 @dataclasses.dataclass(slots=True)
 class StepInput:
     """One step: rows (cache sequences) and the new tokens each computes, flat in row order."""
 
     seq_ids: list[int]  # [B] sequences holding slots for their new tokens
-    token_ids: list[int]  # [T] the rows' new tokens, row after row
+    token_ids: list[int]  # [T] the rows' new tokens, row after row (placeholders where pending)
     query_lens: list[int] | None  # [B] new tokens per row (its last ones); None: one each (decode)
     logits_rows: list[int] | None = None  # indices into token_ids to return logits for; None: all
+    pending: PendingTokens | None = None  # tokens that are still on the device
 
 
 class ModelRunner:
@@ -75,23 +110,28 @@ class ModelRunner:
         tokens = step.token_ids
         if meta.num_tokens > len(tokens):  # padding rows of a bucket feed token 0
             tokens = tokens + [0] * (meta.num_tokens - len(tokens))
-        ids = torch.tensor(tokens, dtype=torch.int64)  # [num_tokens]
+        ids = host_tensor(tokens, self.device)  # [num_tokens]
         rows = step.logits_rows
         if decode:
-            full = self._decode(meta, ids)  # [num_tokens, V], padding rows included
+            full = self._decode(meta, ids, step.pending)  # [num_tokens, V], padding rows included
             if rows is None or rows == list(range(num_rows)):
                 return full[:num_rows]  # a decode row is one token: rows and tokens coincide
-            return full[torch.tensor(rows, dtype=torch.int64, device=self.device)]
-        ids = ids.to(self.device, non_blocking=True)
-        index = None if rows is None else \
-            torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            return full[to_device(rows, self.device)]
+        ids = self._on_device(ids, step.pending)
+        index = None if rows is None else to_device(rows, self.device)
         return self.decoder.forward(ids, forward_metadata(meta), logits_rows=index)
 
-    def _decode(self, meta: StepMetadata, ids: torch.Tensor) -> torch.Tensor:
+    def _on_device(self, ids: torch.Tensor, pending: PendingTokens | None) -> torch.Tensor:
+        ids = ids.to(self.device, non_blocking=True)
+        if pending is not None:
+            pending.fill(ids)
+        return ids
+
+    def _decode(self, meta: StepMetadata, ids: torch.Tensor, pending: PendingTokens | None) -> torch.Tensor:
         fmeta = forward_metadata(meta, decode=True)
         if not self.use_cuda_graphs:
             with record_function("decode_step"):
-                return self.decoder.forward(ids.to(self.device, non_blocking=True), fmeta)
+                return self.decoder.forward(self._on_device(ids, pending), fmeta)
         # The metadata views keep their addresses across steps of one bucket (they alias the
         # cache's step buffer), so a graph captured over them reads each step's metadata.
         step = self.graphs.get(meta.num_tokens)
@@ -101,6 +141,8 @@ class ModelRunner:
             step = self.graphs.capture(meta.num_tokens, lambda: self.decoder.forward(static_ids, fmeta),
                                        buffers=static_ids)
         step.buffers.copy_(ids, non_blocking=True)
+        if pending is not None:
+            pending.fill(step.buffers)
         return step.replay()
 
 

@@ -1,0 +1,67 @@
+"""A step the engine has launched on the device and not read back yet.
+
+The engine keeps the device busy by launching step N+1 before it reads step N's samples: N+1 is
+scheduled with N's samplers `pending` (their token counts, its value is unknown on the host), and
+its rows that feed those tokens read them on the device from N's sampler output. Reading N back
+then waits only for N, while N+1 already runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedkv.engine.request import Sequence, Status
+from pagedkv.runtime.runner import PendingTokens
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class LaunchedStep:
+    samplers: list[Sequence]  # the sequences that sampled, in sample-row order
+    repeat: bool  # the same samplers as the step before (SamplingBatch.repeats)
+    samples: torch.Tensor | None = None  # [S] int64 on the device: the sampler's output
+    host: torch.Tensor | None = None  # [S] int64 on the host (pinned on CUDA), valid once `copied`
+    copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def sampled(cls, samplers: list[Sequence], repeat: bool, samples: torch.Tensor) -> LaunchedStep:
+        """Start the copy of samples [S] to the host, stream-ordered after the sampler; the
+        samplers are pending until it is read."""
+        for seq in samplers:
+            seq.pending += 1
+        if samples.device.type != "cuda":
+            return cls(samplers, repeat, samples, samples.clone())
+        host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=True)
+        host.copy_(samples, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(samplers, repeat, samples, host, copied)
+
+    def read(self) -> list[int]:
+        """The samples, in sample-row order; waits for the device (only for this step)."""
+        if self.host is None:
+            return []
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+    def has_live_samples(self) -> bool:
+        """Whether any sampler is still unfinished: if none, nothing needs reading back."""
+        return any(s.status is not Status.FINISHED for s in self.samplers)
+
+
+def pending_inputs(decodes: list[Sequence], before: LaunchedStep) -> PendingTokens | None:
+    """Where the decode rows whose token `before` sampled find it on the device; None if no row's
+    token is pending. The common case, the same sequences in the same order at the front, is a
+    slice copy."""
+    m = len(before.samplers)
+    if m == 0:
+        return None
+    if decodes[:m] == before.samplers:  # Sequence compares by identity
+        return PendingTokens(before.samples, m)
+    row_of = {seq: i for i, seq in enumerate(before.samplers)}
+    rows = [i for i, seq in enumerate(decodes) if seq.pending]
+    if not rows:
+        return None
+    return PendingTokens(before.samples, len(rows), rows, [row_of[decodes[i]] for i in rows])
