@@ -165,14 +165,46 @@ def test_low_precision_logits_draw_as_their_float32_values(device, dtype):
 
 
 @pytest.mark.cuda
-def test_cpu_and_cuda_draw_the_same_tokens():
+@pytest.mark.parametrize("vocab, top_k, top_p", [(5000, 40, 0.9), (5000, 0, 1.0), (151936, 0, 1.0),
+                                                 (151936, 20, 0.95)])
+def test_cpu_and_cuda_draw_the_same_tokens(vocab, top_k, top_p):
+    # 151936 with no top-k/top-p: rows split across blocks on CUDA (chunk totals, then one chunk).
     batch = 256
-    logits = torch.randn(batch, 5000) * 3
-    params = row_params(batch, "cpu", temperature=0.8, top_k=40, top_p=0.9)
+    logits = torch.randn(batch, vocab) * 3
+    params = row_params(batch, "cpu", temperature=0.8, top_k=top_k, top_p=top_p)
     params["seeds"] = torch.randint(0, 2**62, (batch,))
     cpu = ops.sample(logits, **params)
     cuda = ops.sample(logits.cuda(), **{name: t.cuda() for name, t in params.items()}).cpu()
     # Equal but where a weight (std::exp vs __expf) sits on a boundary: practically never.
+    assert (cpu == cuda).float().mean() >= 0.98
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [8193, 16389, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rows_split_across_blocks_draw_exactly_the_cpu_token(vocab, dtype, strided):
+    # CUDA reads rows longer than 8192 logits in chunks, one block each, and draws within the
+    # chunk that holds the target. Tokens tied at the max, in several chunks, with -inf elsewhere,
+    # weigh exactly 2^40 on both devices (exp(0)), so the CPU's whole-row draw is the reference,
+    # exactly. strided: rows vocab + 1 apart (unaligned: the scalar-load kernels).
+    batch = 96
+    gen = torch.Generator().manual_seed(vocab)
+    full = torch.full((batch, vocab + 1), float("-inf"))
+    for r in range(batch):
+        full[r, torch.randint(0, vocab, (1 + r % 7,), generator=gen)] = 3.0
+    full[::5] = torch.randn(full[::5].shape, generator=gen) * 3  # a few ordinary rows too
+    full = full.to(dtype)
+    params = row_params(batch, "cpu", temperature=0.7)
+    params["seeds"] = torch.randint(0, 2**62, (batch,), generator=gen)
+    params["temperatures"][::4] = 0.0  # greedy rows: the max from the chunk keys
+    cols = slice(0, vocab) if strided else slice(1, vocab + 1)
+    cpu = ops.sample(full[:, cols].contiguous() if not strided else full[:, cols], **params)
+    on_cuda = full.cuda()[:, cols]
+    on_cuda = on_cuda if strided else on_cuda.contiguous()
+    cuda = ops.sample(on_cuda, **{name: t.cuda() for name, t in params.items()}).cpu()
+    tied = [r for r in range(batch) if r % 5]
+    assert torch.equal(cpu[tied], cuda[tied])
     assert (cpu == cuda).float().mean() >= 0.98
 
 

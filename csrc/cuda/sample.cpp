@@ -26,6 +26,14 @@ void sample_cuda(at::Tensor& out, const at::Tensor& logits, const std::optional<
   args.top_p = top_p ? top_p->const_data_ptr<float>() : nullptr;
   args.seeds = seeds ? seeds->const_data_ptr<int64_t>() : nullptr;
   args.offsets = offsets ? offsets->const_data_ptr<int64_t>() : nullptr;
+  // Long rows are read by many blocks; their per-chunk maxima and weight totals live here
+  // (from torch's allocator, so also inside a CUDA graph's capture).
+  at::Tensor chunk_stats;
+  if (const int chunks = kernels::sample_chunks(args.batch, args.vocab); chunks > 0) {
+    chunk_stats = at::empty({2, args.batch, chunks}, logits.options().dtype(at::kLong));
+    args.chunk_best = reinterpret_cast<uint64_t*>(chunk_stats.data_ptr<int64_t>());
+    args.chunk_weight = args.chunk_best + static_cast<int64_t>(args.batch) * chunks;
+  }
   C10_CUDA_CHECK(kernels::sample(args, kernel_dtype(logits), c10::cuda::getCurrentCUDAStream()));
 }
 

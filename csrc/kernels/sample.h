@@ -19,7 +19,20 @@ struct SampleArgs {
   const float* top_p;          // [batch] or nullptr; >= 1 (or NaN) = off
   const int64_t* seeds;        // [batch], needed when temperatures is given
   const int64_t* offsets;      // [batch], the per-request step counter
+  // [batch, sample_chunks(vocab)] each, or nullptr: a row's max (packed argmax key) and its
+  // weight total per chunk of kSampleChunk logits, so that long rows are read by many blocks.
+  uint64_t* chunk_best;
+  uint64_t* chunk_weight;
 };
+
+// Logits per chunk of a row when rows are split across thread blocks (a multiple of every
+// vector width, so chunks of an aligned row stay aligned).
+constexpr int kSampleChunk = 8192;
+
+// Chunks of a row; 0 when rows are not split (short rows, or more rows than a grid's y extent).
+inline int sample_chunks(int batch, int vocab) {
+  return vocab > kSampleChunk && batch <= 65535 ? (vocab + kSampleChunk - 1) / kSampleChunk : 0;
+}
 
 cudaError_t sample(const SampleArgs& args, DType dtype, cudaStream_t stream);
 
