@@ -113,3 +113,19 @@ def free_memory_bytes(device: torch.device) -> int | None:
         except OSError:
             pass
     return None
+
+
+def cache_sizing(kv_cache_memory: int | float | None, num_kv_blocks: int | None,
+                 device: torch.device) -> dict:
+    """pagedkv.LLM's cache arguments as KVCache's one sizing keyword: num_kv_blocks, or
+    kv_cache_memory as bytes (int) or a fraction of the available CUDA memory (float); by default
+    0.9 on CUDA, 256 MiB on the CPU."""
+    if kv_cache_memory is not None and num_kv_blocks is not None:
+        raise ValueError("pagedkv.LLM: give kv_cache_memory or num_kv_blocks, not both")
+    if num_kv_blocks is not None:
+        return {"num_blocks": num_kv_blocks}
+    if kv_cache_memory is None:
+        kv_cache_memory = 0.9 if device.type == "cuda" else 256 << 20
+    if isinstance(kv_cache_memory, float):
+        return {"memory_fraction": kv_cache_memory}
+    return {"memory_bytes": int(kv_cache_memory)}

@@ -21,12 +21,14 @@ from __future__ import annotations
 import collections
 import itertools
 import random
+import threading
 import time
 from typing import Iterable, Iterator, Sequence as Seq
 
 import torch
 
 from pagedkv.cache import KVCache, KVCacheSpec, num_blocks_for
+from pagedkv.cache.spec import cache_sizing
 from pagedkv.engine.launched_step import LaunchedStep, pending_inputs
 from pagedkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from pagedkv.engine.prompts import Prompt, batch_of, load_model, tokenize_prompt
@@ -37,14 +39,8 @@ from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.step_outputs import finished_outputs, partial_outputs
 from pagedkv.models.registry import attention_window, check_supported
 from pagedkv.runtime.model import prepared
-from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted, to_device
+from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted, overlap_wanted, to_device
 from pagedkv.runtime.sampler import Sampler
-
-
-def overlap_wanted(requested: bool | None, device: torch.device) -> bool:
-    """An overlap_steps argument resolved: None means on for CUDA models (on the CPU every op
-    runs as it is called, so a step launched ahead only adds work)."""
-    return device.type == "cuda" if requested is None else bool(requested)
 
 
 class LLM:
@@ -61,6 +57,9 @@ class LLM:
     use_cuda_graphs: replay decode-only steps as CUDA graphs, one per batch bucket (default on
     for CUDA models). overlap_steps: launch each step before the previous one's tokens are read
     back (default on for CUDA models; off, every step waits for the one before).
+
+    Threads may share an engine: its calls run one at a time (generate() and stream() hold it
+    until they return or stop, so another thread's call waits for them).
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 256,
@@ -88,7 +87,7 @@ class LLM:
         window = attention_window(model)
         if window is not None:
             limit = min(limit, window)
-        sizing = self._cache_sizing(kv_cache_memory, num_kv_blocks)
+        sizing = cache_sizing(kv_cache_memory, num_kv_blocks, self.device)
         w = state.weights
         if self.tp is not None:
             spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, state.dtype, block_size)
@@ -124,25 +123,16 @@ class LLM:
         self._seq_counter = itertools.count()
         self.overlap_steps = overlap_wanted(overlap_steps, self.device)
         self._launched: collections.deque[LaunchedStep] = collections.deque()  # oldest first, <= 2
-
-    def _cache_sizing(self, kv_cache_memory, num_kv_blocks) -> dict:
-        if kv_cache_memory is not None and num_kv_blocks is not None:
-            raise ValueError("pagedkv.LLM: give kv_cache_memory or num_kv_blocks, not both")
-        if num_kv_blocks is not None:
-            return {"num_blocks": num_kv_blocks}
-        if kv_cache_memory is None:
-            kv_cache_memory = 0.9 if self.device.type == "cuda" else 256 << 20
-        if isinstance(kv_cache_memory, float):
-            return {"memory_fraction": kv_cache_memory}
-        return {"memory_bytes": int(kv_cache_memory)}
+        self._lock = threading.RLock()
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request (a string, with the tokenizer, or token ids); returns its id. Bad
         input raises ValueError (TypeError for a wrong type) and leaves the engine as it was."""
-        text, ids, params = self._checked(prompt, sampling_params)
-        return self._enqueue(text, ids, params, request_id)
+        with self._lock:
+            text, ids, params = self._checked(prompt, sampling_params)
+            return self._enqueue(text, ids, params, request_id)
 
     def _checked(self, prompt: Prompt, sampling_params: SamplingParams | None
                  ) -> tuple[str | None, list[int], SamplingParams]:
@@ -181,11 +171,12 @@ class LLM:
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (its blocks are freed); unknown ids are ignored."""
-        request = self._requests.pop(request_id, None)
-        if request is not None:
-            for seq in request.sequences:
-                if seq.status is not Status.FINISHED:
-                    self.scheduler.abort(seq)
+        with self._lock:
+            request = self._requests.pop(request_id, None)
+            if request is not None:
+                for seq in request.sequences:
+                    if seq.status is not Status.FINISHED:
+                        self.scheduler.abort(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -196,7 +187,8 @@ class LLM:
         """Run one step; returns an output for every request that got tokens in it (partial,
         with the tokens so far, or finished, the last time it is reported). partial=False
         reports finished requests only (no per-step copies of the token lists)."""
-        return self._step(partial)
+        with self._lock:
+            return self._step(partial)
 
     def _step(self, partial: bool) -> list[RequestOutput]:
         launched = self._launched
@@ -347,6 +339,10 @@ class LLM:
                ) -> Iterator[RequestOutput]:
         """Queue the prompts and yield RequestOutputs as they progress (partial ones after every
         step they got a token in, then the finished one), until all of them are finished."""
+        with self._lock:  # another thread's steps would take this stream's outputs
+            yield from self._stream(prompts, sampling_params)
+
+    def _stream(self, prompts, sampling_params) -> Iterator[RequestOutput]:
         ids = set(self._add_all(prompts, sampling_params))
         try:
             while ids:
@@ -370,6 +366,10 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run the prompts to the end; outputs in the order of the prompts. A tqdm bar shows
         finished requests and output tok/s (use_tqdm=False turns it off)."""
+        with self._lock:  # another thread's steps would take this call's outputs
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         ids = self._add_all(prompts, sampling_params)
         results: dict[str, RequestOutput] = {}
         bar = None

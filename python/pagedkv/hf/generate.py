@@ -85,10 +85,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                          f"sliding_window is {window}; pagedkv attends to whole contexts, so it "
                          f"runs only sequences within the window (prompt + max_new_tokens <= {window})")
     state = prepared(model)
-    if state.fixed_batch is None:
-        state.fixed_batch = FixedBatch(state)
-    new_tokens = state.fixed_batch.generate(prompts, input_ids, settings, streamer,
-                                            use_cuda_graphs)  # [B, N]
+    with state.lock:  # one call at a time per model: they share its fixed batch and cache
+        if state.fixed_batch is None:
+            state.fixed_batch = FixedBatch(state)
+        new_tokens = state.fixed_batch.generate(prompts, input_ids, settings, streamer,
+                                                use_cuda_graphs)  # [B, N]
     sequences = torch.cat([input_ids, new_tokens.to(input_ids.dtype)], dim=1)
     if settings.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ class PreparedModel:
     tp: TensorParallel | None
     # generate()'s fixed-batch runner with its cache (runtime/fixed_batch.py), made on first call.
     fixed_batch: Any = None
+    # generate() calls on one model from several threads run one at a time (they share the cache).
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
 
     @classmethod
     def of(cls, model, tp: TensorParallel | None = None) -> PreparedModel:
@@ -59,12 +62,18 @@ class PreparedModel:
         return cls(weights, cos_sin, device, param.dtype, max_positions, tp)
 
 
+_PREPARING = threading.Lock()  # two threads' first calls take a model's weights once
+
+
 def prepared(model) -> PreparedModel:
     """The model's PreparedModel, made on first use and kept on the model."""
     state = getattr(model, PREPARED_ATTR, None)
     if state is None:
-        state = PreparedModel.of(model)
-        setattr(model, PREPARED_ATTR, state)
+        with _PREPARING:
+            state = getattr(model, PREPARED_ATTR, None)
+            if state is None:
+                state = PreparedModel.of(model)
+                setattr(model, PREPARED_ATTR, state)
     return state
 
 

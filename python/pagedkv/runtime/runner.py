@@ -55,6 +55,12 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host_tensor(values, device).to(device, non_blocking=True)
 
 
+def overlap_wanted(requested: bool | None, device: torch.device) -> bool:
+    """An overlap_steps argument (pagedkv.LLM) resolved: None means on for CUDA models (on the
+    CPU every op runs as it is called, so a step launched ahead only adds work)."""
+    return device.type == "cuda" if requested is None else bool(requested)
+
+
 @dataclasses.dataclass(slots=True)
 class PendingTokens:
     """Input tokens still on the device: token rows[i] of a step is source[from_rows[i]], the
