@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import pagedkv
+from conftest import DEVICES
 from pagedkv import LLM, SamplingParams
 from test_engine import assert_no_leaks, hf_greedy, model, random_prompts
 
@@ -39,24 +41,29 @@ def run_threads(target, args_per_thread):
     return results
 
 
-def test_generate_from_several_threads_on_one_model():
-    m = model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_generate_from_several_threads_on_one_model(device):
+    # On CUDA each call captures and replays decode graphs: one call at a time per model.
+    m = model().to(device)
     prompts = random_prompts([9, 23, 14, 31], seed=41)
 
     def call(prompt):
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         for _ in range(3):
             out = pagedkv.generate(m, ids, max_new_tokens=10, do_sample=False)
         return out[0, len(prompt):].tolist()
 
-    results = run_threads(call, [(p,) for p in prompts])
-    assert results == [hf_greedy("llama", tuple(p), 10) for p in prompts]
+    alone = [call(p) for p in prompts]
+    if device == "cpu":
+        assert alone == [hf_greedy("llama", tuple(p), 10) for p in prompts]
+    assert run_threads(call, [(p,) for p in prompts]) == alone
     cache = pagedkv.kv_cache_of(m)
     assert cache.num_free_blocks == cache.num_blocks
 
 
-def test_one_engine_shared_by_threads():
-    llm = LLM(model(), max_num_seqs=8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_engine_shared_by_threads(device):
+    llm = LLM(model().to(device), max_num_seqs=8, **({"kv_cache_memory": 64 << 20} if device == "cuda" else {}))
     prompts = random_prompts([9, 23, 14, 31, 6, 17, 28, 11], seed=42)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -68,10 +75,12 @@ def test_one_engine_shared_by_threads():
         return list(done.values())
 
     pairs = [prompts[i:i + 2] for i in range(0, 8, 2)]
+    alone = [sorted(batch(pair)) for pair in pairs]
+    if device == "cpu":
+        assert alone == [sorted(hf_greedy("llama", tuple(p), 10) for p in pair) for pair in pairs]
     results = run_threads(lambda i, pair: (batch if i % 2 else streamed)(pair),
                           [(i, pair) for i, pair in enumerate(pairs)])
-    for pair, got in zip(pairs, results):
-        assert sorted(got) == sorted(hf_greedy("llama", tuple(p), 10) for p in pair)
+    assert [sorted(got) for got in results] == alone
     assert_no_leaks(llm)
 
 
