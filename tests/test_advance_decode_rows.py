@@ -25,7 +25,9 @@ def random_rows(batch, block_size, max_blocks, device, seed):
     positions[edge] = (positions[edge] // block_size + 1) * block_size - 1
     live = torch.rand(batch, generator=gen) < 0.75
     rows = dict(
-        next_tokens=torch.randint(0, 150_000, (batch,), generator=gen),
+        # -1: a sampled row with NaN/inf logits (ops.sample); it feeds token 0
+        next_tokens=torch.where(torch.rand(batch, generator=gen) < 0.1, -1,
+                                torch.randint(0, 150_000, (batch,), generator=gen)),
         tokens=torch.randint(0, 150_000, (batch,), generator=gen),
         positions=torch.where(live, positions, torch.zeros_like(positions)),
         context_lens=torch.where(live, positions + 1, torch.zeros_like(positions)),
@@ -41,7 +43,7 @@ def reference(rows, block_size):
     """The update in PyTorch ops (what DecodeState.advance ran before the fused op)."""
     out = {name: t.clone() for name, t in rows.items()}
     live = (out["context_lens"] > 0).to(torch.int32)
-    out["tokens"].copy_(out["next_tokens"])
+    out["tokens"].copy_(out["next_tokens"].clamp(min=0))
     for name in ("positions", "context_lens", "generated"):
         out[name].add_(live)
     out["offsets"].add_(1)

@@ -70,11 +70,11 @@ def test_interrupted_read_back_leaves_the_step_to_the_next_call(monkeypatch):
     read = LaunchedStep.read
     calls = []
 
-    def interrupted(self):
+    def interrupted(self, *args):
         calls.append(self)
         if len(calls) == 1:
             raise KeyboardInterrupt
-        return read(self)
+        return read(self, *args)
 
     monkeypatch.setattr(LaunchedStep, "read", interrupted)
     with pytest.raises(KeyboardInterrupt):

@@ -16,8 +16,10 @@ def model():
 
 
 def test_defaults_follow_hf(model):
-    s = resolve_generation(model, prompt_length=5, generation_config=None, kwargs={})
-    assert s.max_new_tokens == 20 - 5  # HF's max_length=20 includes the prompt
+    with pytest.warns(UserWarning, match=r"model-agnostic default `max_length` \(=20\)"):
+        s = resolve_generation(model, prompt_length=5, generation_config=None, kwargs={})
+    # HF generates max_length=20 NEW tokens by default (its _prepare_generated_length)
+    assert s.max_new_tokens == 20
     assert (s.do_sample, s.top_k, s.top_p, s.temperature) == (False, 50, 1.0, 1.0)
     assert s.eos_token_ids == (2,) and s.pad_token_id == 2  # HF pads with the first EOS
 

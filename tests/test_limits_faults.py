@@ -123,10 +123,10 @@ def test_stream_closed_early_or_aborted_inside_llm(monkeypatch):
     steps = []
     original = llm._step
 
-    def counted(partial):
+    def counted(partial, **kwargs):
         steps.append(1)
         assert len(steps) < 100, "the stream waits for a request that was aborted"
-        return original(partial)
+        return original(partial, **kwargs)
 
     monkeypatch.setattr(llm, "_step", counted)
     last = {}

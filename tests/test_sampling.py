@@ -60,15 +60,37 @@ def test_greedy_is_argmax(device, dtype, vocab, out_dtype):
     assert torch.equal(out, logits.argmax(-1).to(out_dtype))
 
 
+def reference_unsampled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """What a row gets without a draw: greedy rows (T <= 0) torch.argmax (NaN is the largest);
+    sampled rows whose max is not finite (a NaN, +inf, or all -inf) -1, since softmax has no
+    distribution there (HF's multinomial raises); other sampled rows draw (-2 here: not checked)."""
+    top = logits.float().max(-1).values
+    finite = ~logits.float().isnan().any(-1) & top.isfinite()
+    return torch.where(temperatures > 0, torch.where(finite, -2, -1), logits.argmax(-1))
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_greedy_handles_nan_and_zero_temperature_rows(device):
-    logits = torch.randn(4, 300, device=device)
-    logits[1, 17] = float("nan")  # torch.argmax takes NaN as the largest
-    logits[2] = float("-inf")
-    params = row_params(4, device, temperature=0.0)
-    params["temperatures"][3] = 0.7  # only row 3 samples
+@pytest.mark.parametrize("vocab", [300, 151936])  # 151936: CUDA splits the row across blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_and_inf_rows_greedy_and_sampled(device, vocab, dtype):
+    logits = torch.randn(12, vocab, device=device).to(dtype)
+    for base in (0, 6):  # rows base..base+5 greedy, then sampled
+        logits[base + 1, 17] = float("nan")  # one NaN
+        logits[base + 2] = float("nan")  # all NaN: argmax 0
+        logits[base + 3] = float("-inf")  # all -inf
+        logits[base + 4, vocab - 5] = float("inf")
+        logits[base + 5, vocab // 3] = float("-inf")  # finite max: an ordinary row
+    params = row_params(12, device, temperature=0.7, top_k=20, top_p=0.9)
+    params["temperatures"][:6] = 0.0
+    params["top_k"][9:] = 0  # CUDA's chunked draw for long rows: no top-k/top-p
+    params["top_p"][9:] = 1.0
     out = ops.sample(logits, **params)
-    assert torch.equal(out[:3], logits[:3].argmax(-1))
+    expected = reference_unsampled(logits, params["temperatures"])
+    checked = expected != -2
+    assert torch.equal(out[checked], expected[checked])
+    assert (out[~checked] >= 0).all() and checked.sum() == 10
+    out32 = ops.sample(logits, **params, out=torch.empty(12, dtype=torch.int32, device=device))
+    assert torch.equal(out32.long(), out)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -78,15 +78,22 @@ void CacheManager::check_free_blocks(int64_t needed, const char* what) const {
                   "); free or preempt a sequence, or make the cache larger. Nothing was changed.");
 }
 
+void CacheManager::check_tokens(std::span<const int32_t> tokens, const char* pending_error) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int32_t t = tokens[i];
+    if (t >= 0 || (t == kPendingToken && pending_error == nullptr)) continue;
+    if (t == kPendingToken) throw std::invalid_argument(pending_error);
+    throw std::invalid_argument("pagedkv: token_ids[" + str(static_cast<int64_t>(i)) + "] = " + str(t) +
+                                " is not a token id; allowed: [0, 2^31 - 1]" +
+                                (pending_error == nullptr ? ", or -1 (a pending token)" : ""));
+  }
+}
+
 void CacheManager::check_prompt(std::span<const int32_t> tokens) const {
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n < 1) throw std::invalid_argument("pagedkv: a sequence needs at least one token, got none");
-  for (const int32_t t : tokens) {
-    if (t == kPendingToken) {
-      throw std::invalid_argument("pagedkv: a prompt cannot hold token -1 (it marks a slot whose token "
-                                  "is not known yet, in append_batch)");
-    }
-  }
+  check_tokens(tokens, "pagedkv: a prompt cannot hold token -1 (it marks a slot whose token is not "
+                       "known yet, in append_batch)");
   if (n > max_seq_len_) {
     throw std::invalid_argument("pagedkv: a prompt of " + str(n) + " tokens is longer than max_seq_len " +
                                 str(max_seq_len_));
@@ -168,12 +175,12 @@ int64_t CacheManager::add_sequence(int64_t seq_id, std::span<const int32_t> toke
 
 CacheManager::AppendPlan CacheManager::plan_append(Sequence& seq, int64_t seq_id, int64_t n,
                                                    std::unordered_map<int32_t, int32_t>& unref) const {
-  if (n < 0) throw std::invalid_argument("pagedkv: cannot append " + str(n) + " tokens");
+  if (n < 0) throw std::invalid_argument("pagedkv: cannot append " + str(n) + " tokens; the count must be >= 0");
   if (seq.pending != 0) {
     throw std::invalid_argument("pagedkv: sequence " + str(seq_id) + " has a slot whose token is not "
                                 "known yet; name it with set_pending_tokens before appending more");
   }
-  if (seq.num_tokens + n > max_seq_len_) {
+  if (n > max_seq_len_ - seq.num_tokens) {  // not num_tokens + n: a huge n must not wrap the sum
     throw std::invalid_argument("pagedkv: sequence " + str(seq_id) + " has " + str(seq.num_tokens) +
                                 " tokens; " + str(n) + " more would pass max_seq_len " +
                                 str(max_seq_len_));
@@ -191,7 +198,7 @@ CacheManager::AppendPlan CacheManager::plan_append(Sequence& seq, int64_t seq_id
   return plan;
 }
 
-int32_t CacheManager::blocks_needed_to_append(std::span<const int64_t> seq_ids, int64_t tokens_each) {
+int64_t CacheManager::blocks_needed_to_append(std::span<const int64_t> seq_ids, int64_t tokens_each) {
   const uint64_t mark = new_batch_mark();
   unref_scratch_.clear();
   int64_t needed = 0;
@@ -199,7 +206,19 @@ int32_t CacheManager::blocks_needed_to_append(std::span<const int64_t> seq_ids, 
     const AppendPlan plan = plan_append(batch_member(id, mark), id, tokens_each, unref_scratch_);
     needed += plan.copy_last + plan.new_blocks;
   }
-  return static_cast<int32_t>(needed);
+  // plan_append checked the count for each sequence; an empty batch checks it here.
+  if (tokens_each < 0 || tokens_each > max_seq_len_) {
+    throw std::invalid_argument("pagedkv: blocks_needed_to_append: num_tokens = " + str(tokens_each) +
+                                " is outside [0, " + str(max_seq_len_) + "] (max_seq_len)");
+  }
+  return needed;
+}
+
+bool CacheManager::can_allocate(int64_t num_blocks) const {
+  if (num_blocks < 0) {
+    throw std::invalid_argument("pagedkv: can_allocate: num_blocks = " + str(num_blocks) + " must be >= 0");
+  }
+  return num_blocks <= allocator_.num_free();
 }
 
 void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n, const int32_t* tokens,
@@ -260,12 +279,8 @@ void CacheManager::append_tokens(int64_t seq_id, std::span<const int32_t> tokens
                                  std::vector<BlockCopy>& copies) {
   Sequence& seq = find(seq_id);
   const int64_t n = static_cast<int64_t>(tokens.size());
-  for (const int32_t t : tokens) {
-    if (t == kPendingToken) {
-      throw std::invalid_argument("pagedkv: append_tokens got token -1; a slot for a token not known "
-                                  "yet is reserved by append_batch");
-    }
-  }
+  check_tokens(tokens, "pagedkv: append_tokens got token -1; a slot for a token not known yet is "
+                       "reserved by append_batch");
   unref_scratch_.clear();
   const AppendPlan plan = plan_append(seq, seq_id, n, unref_scratch_);
   check_free_blocks(plan.copy_last + plan.new_blocks, "appending to a sequence");
@@ -291,6 +306,7 @@ void CacheManager::append_batch(std::span<const int64_t> seq_ids, std::span<cons
                                 str(seq_ids.size()) + " sequence ids and " + str(tokens.size()) +
                                 " tokens");
   }
+  check_tokens(tokens, nullptr);
   const uint64_t mark = new_batch_mark();
   unref_scratch_.clear();
   plans_scratch_.clear();

@@ -44,9 +44,11 @@ class CacheManager {
   void free_sequence(int64_t seq_id, bool keep_cached = true);
 
   // What add_sequence / append_* would take from the free blocks (a scheduler asks first).
+  // tokens_each must be in [0, max_seq_len] (checked even for an empty batch).
   int32_t blocks_needed_to_add(std::span<const int32_t> tokens) const;
-  int32_t blocks_needed_to_append(std::span<const int64_t> seq_ids, int64_t tokens_each);
-  bool can_allocate(int64_t num_blocks) const { return num_blocks <= allocator_.num_free(); }
+  int64_t blocks_needed_to_append(std::span<const int64_t> seq_ids, int64_t tokens_each);
+  // Whether num_blocks (>= 0, else invalid_argument) blocks are free.
+  bool can_allocate(int64_t num_blocks) const;
 
   const Sequence& sequence(int64_t seq_id) const;
   bool contains(int64_t seq_id) const { return sequences_.count(seq_id) != 0; }
@@ -78,6 +80,9 @@ class CacheManager {
   void check_free_blocks(int64_t needed, const char* what) const;
   // An empty prompt, one past max_seq_len or one larger than the whole cache can never be added.
   void check_prompt(std::span<const int32_t> tokens) const;
+  // Token ids are >= 0. kPendingToken is taken where pending_error is null (append_batch), else
+  // refused with that message.
+  static void check_tokens(std::span<const int32_t> tokens, const char* pending_error);
   // n more tokens; `tokens` is read only while the sequence is keyable (reserve passes none).
   void write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n, const int32_t* tokens,
                     std::vector<BlockCopy>& copies);

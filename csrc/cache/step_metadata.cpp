@@ -32,16 +32,28 @@ StepLayout::StepLayout(int32_t max_batch, int32_t max_tokens, int32_t max_blocks
   size = block_tables + static_cast<int64_t>(max_batch) * max_blocks_per_seq;
 }
 
+int64_t StepLayout::used_size(int32_t padded_batch) const {
+  if (padded_batch < 0 || padded_batch > max_batch) {
+    throw std::invalid_argument("pagedkv: used_size: padded_batch = " + str(padded_batch) +
+                                " is outside [0, " + str(max_batch) + "] (max_batch)");
+  }
+  return block_tables + static_cast<int64_t>(padded_batch) * max_blocks_per_seq;
+}
+
 StepSizes build_step_metadata(CacheManager& manager, const StepLayout& layout,
                               std::span<const int64_t> seq_ids, std::span<const int32_t> query_lens,
                               int32_t padded_batch, int32_t* buffer) {
+  if (seq_ids.size() > static_cast<size_t>(layout.max_batch)) {  // before it is cast to int32
+    throw std::invalid_argument("pagedkv: a step of " + str(static_cast<int64_t>(seq_ids.size())) +
+                                " sequences has more than " + str(layout.max_batch) + " rows (max_batch)");
+  }
   const int32_t batch = static_cast<int32_t>(seq_ids.size());
   if (padded_batch < std::max(batch, 1) || padded_batch > layout.max_batch) {
     throw std::invalid_argument("pagedkv: padded_batch " + str(padded_batch) + " must be in [" +
                                 str(std::max(batch, 1)) + " (the batch), max_batch " +
                                 str(layout.max_batch) + "]");
   }
-  if (!query_lens.empty() && static_cast<int32_t>(query_lens.size()) != batch) {
+  if (!query_lens.empty() && query_lens.size() != seq_ids.size()) {
     throw std::invalid_argument("pagedkv: got " + str(query_lens.size()) + " query_lens for " +
                                 str(batch) + " sequences; give one per sequence (or none for decode)");
   }
@@ -71,7 +83,7 @@ StepSizes build_step_metadata(CacheManager& manager, const StepLayout& layout,
                                   str(seq_ids[i]) + " must be in [1, " + str(len) +
                                   "] (its tokens holding slots)");
     }
-    if (t + q > token_budget) {
+    if (static_cast<int64_t>(t) + q > token_budget) {  // in int64: q may be up to 2^31 - 1
       throw std::invalid_argument("pagedkv: the step has more than " + str(token_budget) +
                                   " new tokens (max_tokens " + str(layout.max_tokens) +
                                   " less padding rows); chunk the prefill or raise max_tokens");

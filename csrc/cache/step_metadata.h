@@ -29,10 +29,9 @@ struct StepLayout {
   int64_t context_lens, query_start_loc, slot_mapping, positions, block_tables;
   int64_t size;  // the whole buffer
 
-  // Elements from the start of the buffer to the end of a step's block-table rows.
-  int64_t used_size(int32_t padded_batch) const {
-    return block_tables + static_cast<int64_t>(padded_batch) * max_blocks_per_seq;
-  }
+  // Elements from the start of the buffer to the end of a step's block-table rows;
+  // padded_batch in [0, max_batch].
+  int64_t used_size(int32_t padded_batch) const;
 };
 
 struct StepSizes {

@@ -44,9 +44,8 @@ int64_t sample_row(const T* logits, int vocab, const RowParams& p, Scratch& s) {
   }
   const int argmax = static_cast<int>(~static_cast<uint32_t>(best));
   const uint32_t max_key = static_cast<uint32_t>(best >> 32);
-  if (!(p.temperature > 0.f) || max_key == sampling::kKeyNaN || max_key <= sampling::kKeyNegInf) {
-    return argmax;
-  }
+  if (!(p.temperature > 0.f)) return argmax;
+  if (!sampling::drawable(max_key)) return sampling::kInvalidToken;  // NaN or inf: no softmax
 
   const float max_logit = static_cast<float>(logits[argmax]);
   s.keys.resize(vocab);

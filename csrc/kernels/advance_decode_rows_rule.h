@@ -10,7 +10,8 @@ namespace pagedkv::kernels {
 
 struct DecodeRows {
   const int64_t* next_tokens;   // [batch]: the tokens just sampled
-  int64_t* tokens;              // [batch]: the token each row feeds next (= next_tokens)
+  int64_t* tokens;              // [batch]: the token each row feeds next (= next_tokens, 0
+                                //   for an invalid -1)
   int32_t* positions;           // [batch]: +1 for live rows (context_lens > 0)
   int32_t* context_lens;        // [batch]: +1 for live rows; 0 marks a padding row
   int32_t* generated;           // [batch]: +1 for live rows
@@ -22,7 +23,9 @@ struct DecodeRows {
 };
 
 PAGEDKV_HD void advance_row(const DecodeRows& r, int b) {
-  r.tokens[b] = r.next_tokens[b];
+  // -1: the sampler found no distribution (NaN/inf logits); the host raises when it reads it,
+  // but the step already queued must still embed a valid id.
+  r.tokens[b] = r.next_tokens[b] < 0 ? 0 : r.next_tokens[b];
   r.offsets[b] += 1;
   int32_t slot = -1;
   if (r.context_lens[b] > 0) {

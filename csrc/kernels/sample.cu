@@ -1,6 +1,7 @@
 // One thread block per logits row; every pass reads the row in index order (16-byte loads when
 // aligned). Greedy rows take one pass: argmax as a max over (order key, ~index), which is
-// torch.argmax exactly (NaN largest, lowest index on ties). Sampled rows, with weights
+// torch.argmax exactly (NaN largest, lowest index on ties). A sampled row whose max is NaN or
+// inf (or -inf: all -inf) gets -1, an invalid token the host raises on. Sampled rows, with weights
 // w = floor(2^40 * exp((logit - max) / T)) (sample_math.h):
 //   top-k threshold: radix select (11/11/10-bit digits of the order key, shared-memory
 //     histograms) of the k-th largest key: keeps every token tied with the k-th, as HF does;
@@ -27,6 +28,7 @@
 namespace pagedkv::kernels {
 namespace {
 
+using sampling::drawable;
 using sampling::order_key;
 
 constexpr int kThreads = 1024;
@@ -221,10 +223,6 @@ __device__ __forceinline__ uint64_t packed_key(float x, int i) {
   return (static_cast<uint64_t>(order_key(x)) << 32) | static_cast<uint32_t>(~i);
 }
 
-__device__ __forceinline__ bool drawable(uint32_t max_key) {
-  return max_key != sampling::kKeyNaN && max_key > sampling::kKeyNegInf;
-}
-
 // A row's token weight given its max logit (sample_math.h's fixed point, in CUDA's arithmetic).
 struct TokenWeight {
   float max_logit, temperature;
@@ -365,8 +363,11 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleArgs a,
   const uint32_t max_key = static_cast<uint32_t>(best >> 32);
   const float temperature = a.temperatures != nullptr ? a.temperatures[r] : 0.f;
 
-  // Sample only when T > 0 and the row's max is a number above -inf (else: the argmax).
-  if (temperature > 0.f && drawable(max_key)) {
+  // Sample when T > 0: from a row whose max is finite, else the invalid token (the max key,
+  // read anyway for the argmax, already says whether the row holds a NaN or inf).
+  if (temperature > 0.f && !drawable(max_key)) {
+    token = static_cast<int>(sampling::kInvalidToken);
+  } else if (temperature > 0.f) {
     const TokenWeight weight{to_float(row.logits[token]), temperature};
     if (chunks > 0 && unfiltered(a, r)) {
       // The chunk where the running total first exceeds the target, and the target within it.

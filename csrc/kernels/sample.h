@@ -9,7 +9,8 @@
 namespace pagedkv::kernels {
 
 struct SampleArgs {
-  void* out;                   // [batch] int64 (out_is_int64) or int32 token ids
+  void* out;                   // [batch] int64 (out_is_int64) or int32 token ids; -1 for a
+                               //   sampled row whose max logit is NaN or +-inf
   bool out_is_int64;
   const void* logits;          // [batch, vocab], rows row_stride elements apart
   int64_t row_stride;

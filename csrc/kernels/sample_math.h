@@ -33,7 +33,14 @@ PAGEDKV_HD uint32_t order_key(float x) {
 }
 
 constexpr uint32_t kKeyNegInf = 0x007fffffu;  // order_key(-inf)
+constexpr uint32_t kKeyPosInf = 0xff800000u;  // order_key(+inf)
 constexpr uint32_t kKeyNaN = 0xffffffffu;
+
+// Whether a row whose largest order key is max_key has a distribution to sample: its max is
+// finite. A NaN anywhere is the max; an inf max or a row of -inf has no softmax either (HF's
+// multinomial raises for them), so a sampled row gets the invalid token -1 instead.
+PAGEDKV_HD bool drawable(uint32_t max_key) { return max_key > kKeyNegInf && max_key < kKeyPosInf; }
+constexpr int64_t kInvalidToken = -1;
 
 // splitmix64's finalizer: a bijection of 64-bit words with full avalanche.
 PAGEDKV_HD uint64_t mix64(uint64_t z) {

@@ -226,8 +226,11 @@ def sample(
     tensors on logits' device: temperatures float32 (<= 0 means greedy), top_k int32 (0 = off),
     top_p float32 (1.0 = off), seeds int64 and offsets int64 (both needed with temperatures).
     A sampled row draws from softmax(logits / T) restricted to HF's top-k then top-p sets; the
-    draw depends only on (seed, offset) and the logits, never on global RNG state. out: [batch]
-    int64 or int32, or None to allocate int64. Returns out.
+    draw depends only on (seed, offset) and the logits, never on global RNG state. A sampled row
+    whose largest logit is NaN or +-inf (a NaN anywhere, or every logit -inf) has no softmax: it
+    gets -1, an invalid token for the caller to raise on (HF's multinomial raises there); a
+    greedy row keeps torch.argmax's answer (NaN counts as the largest). out: [batch] int64 or
+    int32, or None to allocate int64. Returns out.
     """
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -254,7 +257,7 @@ def advance_decode_rows(
 ) -> None:
     """One decode step on for a batch whose rows have all their blocks reserved, in one kernel.
 
-    In place: ``tokens = next_tokens``; rows with ``context_lens > 0`` (live) get positions,
+    In place: ``tokens = next_tokens`` (0 for an invalid -1 from ``sample``); rows with ``context_lens > 0`` (live) get positions,
     context_lens and generated + 1; offsets + 1 for every row; slot_mapping = the cache slot of
     the new position, ``block_tables[b, pos // block_size] * block_size + pos % block_size``, or
     -1 for padding rows and for a position past the row's table. block_tables: [B, max_blocks]

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
+#include <limits>
 #include <map>
 #include <random>
 #include <span>
@@ -192,6 +194,64 @@ void test_step_metadata_errors() {
   CHECK(buffer[layout.slot_mapping + 5] == -1);  // the padding row's token
 }
 
+constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
+constexpr int64_t kI64Min = std::numeric_limits<int64_t>::min();
+constexpr int32_t kI32Max = std::numeric_limits<int32_t>::max();
+
+// Counts at the edges of int64: refused, never wrapped into a small (or negative) count.
+void test_counts_at_the_boundary() {
+  CacheManager m(16, 4, 32, true);
+  std::vector<BlockCopy> copies;
+  m.add_sequence(1, tokens_of(3));
+  const Snapshot before = snapshot(m);
+  for (const int64_t n : {kI64Max, kI64Max - 3, kI64Max - 29, kI64Min, int64_t{-1}, int64_t{30}}) {
+    EXPECT_THROW(std::invalid_argument, [&] { m.reserve(1, n, copies); });
+    const std::vector<int64_t> one{1};
+    EXPECT_THROW(std::invalid_argument, [&] { m.blocks_needed_to_append(one, n); });
+    EXPECT_THROW(std::invalid_argument, [&] { m.blocks_needed_to_append({}, n == 30 ? 33 : n); });
+  }
+  CHECK(m.blocks_needed_to_append({}, 32) == 0);
+  EXPECT_THROW(std::invalid_argument, [&] { m.can_allocate(-1); });
+  EXPECT_THROW(std::invalid_argument, [&] { m.can_allocate(kI64Min); });
+  CHECK(!m.can_allocate(kI64Max) && m.can_allocate(0) && m.can_allocate(m.allocator().num_free()));
+  // Token ids are >= 0; -1 only where append_batch reserves a pending slot.
+  const std::vector<int32_t> negative{4, -2}, lowest{std::numeric_limits<int32_t>::min()};
+  EXPECT_THROW(std::invalid_argument, [&] { m.add_sequence(2, negative); });
+  EXPECT_THROW(std::invalid_argument, [&] { m.blocks_needed_to_add(negative); });
+  EXPECT_THROW(std::invalid_argument, [&] { m.append_tokens(1, lowest, copies); });
+  const std::vector<int64_t> one{1};
+  EXPECT_THROW(std::invalid_argument, [&] { m.append_batch(one, lowest, copies); });
+  CHECK(copies.empty() && snapshot(m) == before);
+  m.reserve(1, 29, copies);  // exactly to max_seq_len
+  CHECK(m.sequence(1).num_tokens == 32);
+  EXPECT_THROW(std::invalid_argument, [&] { m.reserve(1, 1, copies); });
+  m.add_sequence(kI64Max, tokens_of(1));  // the int64 edges are ids like any other
+  m.fork(kI64Max, kI64Min);
+  CHECK(m.sequence(kI64Min).num_tokens == 1);
+  check_invariants(m);
+
+  const StepLayout layout(2, 8, m.max_blocks_per_seq());
+  EXPECT_THROW(std::invalid_argument, [&] { (void)layout.used_size(-1); });
+  EXPECT_THROW(std::invalid_argument, [&] { (void)layout.used_size(3); });
+  CHECK(layout.used_size(2) == layout.size);
+  std::vector<int32_t> buffer(layout.size);
+  const std::vector<int64_t> three{1, kI64Max, kI64Min};
+  EXPECT_THROW(std::invalid_argument, [&] { build_step_metadata(m, layout, three, {}, 2, buffer.data()); });
+  const std::vector<int64_t> edge{kI64Max};
+  const std::vector<int32_t> huge{kI32Max};
+  EXPECT_THROW(std::invalid_argument, [&] { build_step_metadata(m, layout, edge, huge, 1, buffer.data()); });
+  EXPECT_THROW(std::invalid_argument, [&] { build_step_metadata(m, layout, edge, {}, kI32Max, buffer.data()); });
+}
+
+// A count for the random runs: mostly small, sometimes at an edge where a sum would wrap.
+int64_t random_count(std::mt19937& rng, int hi) {
+  static constexpr int64_t kEdges[] = {-1, kI64Max, kI64Max - 3, kI64Min, kI32Max, int64_t{kI32Max} + 1};
+  if (std::uniform_int_distribution<int>(0, 15)(rng) == 0) {
+    return kEdges[std::uniform_int_distribution<int>(0, std::size(kEdges) - 1)(rng)];
+  }
+  return std::uniform_int_distribution<int>(-1, hi)(rng);
+}
+
 // Random operations on one manager; every call either succeeds or throws and changes nothing.
 void random_run(uint32_t seed, int num_ops) {
   std::mt19937 rng(seed);
@@ -228,7 +288,7 @@ void random_run(uint32_t seed, int num_ops) {
       switch (pick(0, 7)) {
         case 0: case 1: m.add_sequence(next_id++, random_tokens(pick(0, static_cast<int>(max_seq_len) + 2))); break;
         case 2: m.append_tokens(some, random_tokens(pick(0, 9)), copies); break;
-        case 3: m.reserve(some, pick(-1, 9), copies); break;
+        case 3: m.reserve(some, random_count(rng, 9), copies); break;
         case 4: {
           std::vector<int32_t> toks = random_tokens(static_cast<int>(ids.size()));
           if (pick(0, 20) == 0) toks.push_back(1);
@@ -245,7 +305,10 @@ void random_run(uint32_t seed, int num_ops) {
           }
           const int32_t batch = static_cast<int32_t>(ids.size());
           build_step_metadata(m, layout, ids, lens, pick(std::max(batch, 1), 9), buffer.data());
-          m.blocks_needed_to_append(ids, pick(0, 9));
+          const int64_t n = random_count(rng, 9);
+          const int64_t needed = m.blocks_needed_to_append(ids, n);
+          CHECK(n >= 0 && n <= max_seq_len && needed >= 0);
+          CHECK(m.can_allocate(needed) == (needed <= m.allocator().num_free()));
         }
       }
     } catch (const CacheFull&) {
@@ -278,6 +341,7 @@ int main(int argc, char** argv) {
   test_add_append_fork_free();
   test_errors_change_nothing();
   test_step_metadata_errors();
+  test_counts_at_the_boundary();
   for (int seed = 0; seed < runs; ++seed) random_run(static_cast<uint32_t>(seed), ops);
   std::printf("test_cache_manager: %d random runs x %d operations (%d done, %d cache full, %d refused), "
               "%d checks passed\n", runs, ops, g_done, g_full, g_refused, g_checks);

@@ -44,7 +44,9 @@ class KVCache:
 
     Errors: ``CacheFull`` when blocks run out (nothing changed); ``KeyError`` for a sequence id
     that is not in the cache (unknown, or already freed); ``ValueError`` for a call that can
-    never succeed (empty or too long prompt, id in use, duplicate id in a batch, ...).
+    never succeed (empty or too long prompt, id in use, duplicate id in a batch, a count, id or
+    token id out of range: sequence ids are int64, token ids in [0, 2**31), ...); ``TypeError``
+    for a bool or a non-int where a count or an id goes. Nothing is ever wrapped.
     """
 
     def __init__(
@@ -68,8 +70,9 @@ class KVCache:
         self.device = torch.device(device)
         blocks = num_blocks_for(spec, self.device, num_blocks=num_blocks, memory_bytes=memory_bytes,
                                 memory_fraction=memory_fraction)
-        self.manager = _C.CacheManager(blocks, block_size, max_seq_len or blocks * block_size,
-                                       enable_prefix_caching)
+        if max_seq_len is None:  # not `or`: a max_seq_len of 0 is refused, not taken as the default
+            max_seq_len = blocks * block_size
+        self.manager = _C.CacheManager(blocks, block_size, max_seq_len, enable_prefix_caching)
         # kv: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; one tensor so
         # that a block copy covers all layers in one op.
         self.kv = torch.zeros(num_layers, 2, blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
@@ -77,8 +80,13 @@ class KVCache:
         # Per layer [num_blocks, block_size, num_kv_heads, head_dim], contiguous views of kv.
         self.k_caches: list[torch.Tensor] = list(self.kv[:, 0].unbind(0))
         self.v_caches: list[torch.Tensor] = list(self.kv[:, 1].unbind(0))
+        if max_step_tokens is None:
+            max_step_tokens = max(self.manager.max_seq_len, max_batch_size)
+        # Checked now (bools, ints past int32, max_step_tokens < max_batch_size), used at the
+        # first build_metadata, which makes its buffers.
+        self._layout = _C.StepLayout(max_batch_size, max_step_tokens, self.manager.max_blocks_per_seq)
         self._max_batch_size = max_batch_size
-        self._max_step_tokens = max_step_tokens or max(self.manager.max_seq_len, max_batch_size)
+        self._max_step_tokens = max_step_tokens
         self._buffers: StepBuffers | None = None
 
     @classmethod
@@ -186,10 +194,9 @@ class KVCache:
         the new tokens of sequence i (its last ones); None for decode (1 each). padded_batch:
         rows including padding (a CUDA-graph bucket), default len(seq_ids). Built in C++ into a
         pinned buffer and sent to the device in one non-blocking copy."""
-        padded = padded_batch or len(seq_ids)
+        padded = len(seq_ids) if padded_batch is None else padded_batch
         if self._buffers is None:
-            layout = _C.StepLayout(self._max_batch_size, self._max_step_tokens, self.manager.max_blocks_per_seq)
-            self._buffers = StepBuffers(layout, self.device)
+            self._buffers = StepBuffers(self._layout, self.device)
         buffers = self._buffers
         buffers.wait_until_reusable()
         num_tokens, max_query_len, max_context_len = self.manager.build_step(

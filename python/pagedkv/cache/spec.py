@@ -88,7 +88,9 @@ def num_blocks_for(
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"pagedkv: memory_fraction must be in (0, 1], got {memory_fraction}")
         memory_bytes = int(free_memory_bytes(device) * memory_fraction)
-    blocks = memory_bytes // spec.bytes_per_block
+    # Slots (block * block_size + offset) are int32: a larger budget than 2**31 - 1 slots is
+    # not spent, rather than refused.
+    blocks = min(memory_bytes // spec.bytes_per_block, (2**31 - 1) // spec.block_size)
     if blocks < 1:
         raise ValueError(
             f"pagedkv: {memory_bytes} bytes hold no cache block: one block of {spec.block_size} "

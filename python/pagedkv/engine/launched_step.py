@@ -9,6 +9,7 @@ then waits only for N, while N+1 already runs.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -38,13 +39,25 @@ class LaunchedStep:
         copied.record()
         return cls(samplers, repeat, samples, host, copied)
 
-    def read(self) -> list[int]:
-        """The samples, in sample-row order; waits for the device (only for this step)."""
+    def read(self, abort: Callable[[str], None]) -> list[int]:
+        """The samples, in sample-row order; waits for the device (only for this step). A -1
+        (ops.sample: a sampled row's logits held NaN or inf) of a running sequence aborts its
+        request with abort(request_id) and raises; read again, the others' samples are intact."""
         if self.host is None:
             return []
         if self.copied is not None:
             self.copied.synchronize()
-        return self.host.tolist()
+        tokens = self.host.tolist()
+        if -1 in tokens:
+            invalid = list(dict.fromkeys(seq.request.request_id for seq, t in zip(self.samplers, tokens)
+                                         if t < 0 and seq.status is not Status.FINISHED))
+            for request_id in invalid:
+                abort(request_id)
+            if invalid:
+                raise RuntimeError(f"pagedkv.LLM: request(s) {invalid} have NaN or infinite logits, so "
+                                   "sampling (temperature > 0) has no distribution to draw from (HF's "
+                                   "generate raises too); they were aborted, the other requests go on")
+        return tokens
 
     def has_live_samples(self) -> bool:
         """Whether any sampler is still unfinished: if none, nothing needs reading back."""

@@ -14,6 +14,10 @@ On CUDA the engine overlaps its host work with the device: each step() launches 
 before it reads the current one's tokens back (launched_step.py), so scheduling, metadata and the
 caller's own work run while the device computes. A sequence that a read-back shows has stopped
 (a stop token) computed one more row in the step already launched; that row is dropped.
+
+An exception (a KeyboardInterrupt, a device fault) may stop a call anywhere. A call marks the
+engine `_dirty` while it changes its state, and the next call finds it so and rebuilds the state
+from each request's tokens (repair.py); the batch and streaming APIs are in batch_api.py.
 """
 
 from __future__ import annotations
@@ -23,27 +27,28 @@ import itertools
 import random
 import threading
 import time
-from typing import Iterable, Iterator, Sequence as Seq
 
 import torch
 
 from pagedkv.cache import KVCache, KVCacheSpec, num_blocks_for
 from pagedkv.cache.spec import cache_sizing
+from pagedkv.engine.batch_api import BatchAPI
 from pagedkv.engine.launched_step import LaunchedStep, pending_inputs
 from pagedkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from pagedkv.engine.prompts import Prompt, batch_of, load_model, tokenize_prompt
+from pagedkv.engine.prompts import Prompt, load_model, tokenize_prompt
+from pagedkv.engine.repair import rebuild
 from pagedkv.engine.request import Request, Sequence, Status
 from pagedkv.engine.sampling_batch import SamplingBatch
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
-from pagedkv.engine.step_outputs import finished_outputs, partial_outputs
+from pagedkv.engine.step_outputs import deliver, step_outputs
 from pagedkv.models.registry import attention_window, check_supported
-from pagedkv.runtime.model import prepared
+from pagedkv.runtime.model import check_unchanged, prepared
 from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted, overlap_wanted, to_device
 from pagedkv.runtime.sampler import Sampler
 
 
-class LLM:
+class LLM(BatchAPI):
     """Serve many requests of one HF Llama-family causal LM (Llama, Qwen2, Qwen3, Mistral).
 
     model: a loaded ``*ForCausalLM`` (on its device and dtype) or a name/path for
@@ -124,6 +129,12 @@ class LLM:
         self.overlap_steps = overlap_wanted(overlap_steps, self.device)
         self._launched: collections.deque[LaunchedStep] = collections.deque()  # oldest first, <= 2
         self._lock = threading.RLock()
+        # Requests finished in a step whose outputs have not been returned yet (an interrupted
+        # call); the next step reports them.
+        self._finished: list[Request] = []
+        # Set while a call changes the engine's state: an exception (an interrupt) that leaves it
+        # set makes the next call rebuild the state from what is certain (engine/repair.py).
+        self._dirty = False
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -131,12 +142,20 @@ class LLM:
         """Queue a request (a string, with the tokenizer, or token ids); returns its id. Bad
         input raises ValueError (TypeError for a wrong type) and leaves the engine as it was."""
         with self._lock:
+            self._repair()
             text, ids, params = self._checked(prompt, sampling_params)
-            return self._enqueue(text, ids, params, request_id)
+            if request_id is None:
+                request_id = self._auto_ids(1)[0]
+            elif str(request_id) in self._requests:
+                raise ValueError(f"pagedkv.LLM: request id {str(request_id)!r} is already in use")
+            request = self._new_request(text, ids, params, str(request_id))
+            self._commit([request])
+            return request.request_id
 
     def _checked(self, prompt: Prompt, sampling_params: SamplingParams | None
                  ) -> tuple[str | None, list[int], SamplingParams]:
         """A request's text, token ids and parameters, or the error that refuses it."""
+        check_unchanged(self.model, self.runner.model)  # ModelChanged; per request, not per step
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError("pagedkv.LLM: sampling_params must be a SamplingParams, got "
@@ -151,35 +170,67 @@ class LLM:
                              f"({self.scheduler.max_num_seqs})")
         return text, ids, params
 
-    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
-                 request_id: str | None) -> str:
-        request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
-        if request_id in self._requests:
-            raise ValueError(f"pagedkv.LLM: request id {request_id!r} is already in use")
+    def _auto_ids(self, count: int) -> list[str]:
+        """`count` new request ids from the counter, skipping ids in use (given by a caller)."""
+        ids = []
+        while len(ids) < count:
+            request_id = str(next(self._request_counter))
+            if request_id not in self._requests:
+                ids.append(request_id)
+        return ids
+
+    def _new_request(self, text: str | None, ids: list[int], params: SamplingParams,
+                     request_id: str) -> Request:
+        """A request and its first sequence, not queued yet (nothing of the engine changes)."""
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62) - params.n
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         stop_ids = frozenset(params.stop_token_ids) | eos
         request = Request(request_id, text, ids, params, max(seed, 0),
                           RequestMetrics(arrival_time=time.perf_counter()), stop_ids=stop_ids,
                           max_len=min(len(ids) + params.max_tokens, self.max_model_len))
-        seq = Sequence(next(self._seq_counter), request, 0, list(ids), len(ids),
-                       pending_forks=params.n - 1)
-        request.sequences.append(seq)
-        self._requests[request_id] = request
-        self.scheduler.add(seq)
-        return request_id
+        request.sequences.append(Sequence(next(self._seq_counter), request, 0, list(ids), len(ids),
+                                          pending_forks=params.n - 1))
+        return request
+
+    def _commit(self, requests: list[Request]) -> None:
+        """Queue the requests, all or none: the table takes them in one dict update (one C call;
+        the waiting queue follows, and an interrupt before it does is repaired)."""
+        self._dirty = True
+        self._requests.update({r.request_id: r for r in requests})
+        for request in requests:
+            self.scheduler.add(request.sequences[0])
+        self._dirty = False
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (its blocks are freed); unknown ids are ignored."""
         with self._lock:
-            request = self._requests.pop(request_id, None)
-            if request is not None:
-                for seq in request.sequences:
-                    if seq.status is not Status.FINISHED:
-                        self.scheduler.abort(seq)
+            self._repair()
+            if request_id not in self._requests:
+                return
+            self._dirty = True
+            request = self._requests.pop(request_id)
+            for seq in request.sequences:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.abort(seq)
+            self._dirty = False
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        if self._dirty:  # an interrupted call: the repair may find requests to run or report
+            with self._lock:
+                self._repair()
+        return self.scheduler.has_unfinished() or any(
+            self._requests.get(r.request_id) is r for r in self._finished)
+
+    def _repair(self) -> None:
+        """After a call that an exception stopped while it changed the engine's state: rebuild it
+        from each request's tokens (engine/repair.py); unread samples are dropped, to be sampled
+        again with the same values. Run again if it is interrupted itself."""
+        if not self._dirty:
+            return
+        self._launched.clear()
+        self.sampling = SamplingBatch(self.sampling.sampler)  # the rows it knew may not have run
+        self._finished = rebuild(self._requests, self.scheduler)
+        self._dirty = False
 
     # -- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -187,27 +238,41 @@ class LLM:
         """Run one step; returns an output for every request that got tokens in it (partial,
         with the tokens so far, or finished, the last time it is reported). partial=False
         reports finished requests only (no per-step copies of the token lists)."""
-        with self._lock:
-            return self._step(partial)
+        # One line: the lock's release runs on it, so no line of Python (where an interrupt could
+        # land, the finished outputs already handed over) comes between _step's end and the caller.
+        with self._lock: return self._step(partial)  # noqa: E701
 
-    def _step(self, partial: bool) -> list[RequestOutput]:
+    def _step(self, partial: bool, wanted: set[str] | None = None) -> list[RequestOutput]:
+        """One step's outputs; wanted: the requests of a generate() or stream() call, whose are
+        the only outputs it returns (others' finished ones wait for the next step() call)."""
+        self._repair()
         launched = self._launched
+        self._dirty = True
         if not launched:
             step = self._launch()
-            if step is None:
-                if self.scheduler.waiting and not self.scheduler.running:
-                    raise RuntimeError("pagedkv.LLM: no waiting request fits the empty engine (a bug: "
-                                       "add_request checks that each one fits)")
-                return []
-            launched.append(step)
+            if step is not None:
+                launched.append(step)
+            elif self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("pagedkv.LLM: no waiting request fits the empty engine (a bug: "
+                                   "add_request checks that each one fits)")
         if self.overlap_steps and len(launched) == 1:
             ahead = self._launch()  # the next step, queued behind this one on the device
             if ahead is not None:
                 launched.append(ahead)
-        return self._read_back(partial)
+        # Consistent again while it waits for the device: an interrupt (or the error of a read
+        # that found NaN logits) leaves the step launched, to be read by the next call.
+        self._dirty = False
+        tokens = launched[0].read(self.abort_request) if launched else []
+        self._dirty = True
+        outputs = self._read_back(tokens, partial)
+        if wanted is not None:
+            outputs = [out for out in outputs if out.request_id in wanted]
+        self._dirty = False
+        return deliver(self._requests, outputs)
 
     def _launch(self) -> LaunchedStep | None:
-        """Schedule a step and queue its forward and sampling on the device; None if nothing runs."""
+        """Schedule a step and queue its forward and sampling on the device; None if nothing runs.
+        A failure once slots were reserved leaves the engine to repair (_dirty)."""
         sched = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not sched.decodes and not sched.prefills:
@@ -215,23 +280,18 @@ class LLM:
         self.stats.num_steps += 1
         self.stats.num_cached_prompt_tokens += sched.num_cached_tokens
         self.stats.num_prompt_tokens_computed += sum(r.num_new for r in sched.prefills)
-        try:
-            return self._run(sched)
-        except BaseException:
-            # Slots were reserved for work that did not happen: compute these requests again.
-            failed = {id(s.request) for s in sched.decodes}
-            failed.update(id(r.seq.request) for r in sched.prefills)
-            self.scheduler.recompute([s for s in self.scheduler.running if id(s.request) in failed])
-            raise
+        return self._run(sched)
 
-    def _read_back(self, partial: bool) -> list[RequestOutput]:
-        """Wait for the oldest launched step's tokens and hand them to their sequences."""
-        step = self._launched[0]
-        tokens = step.read()  # an interrupt here leaves the step launched, to be read next time
-        self._launched.popleft()
+    def _read_back(self, tokens: list[int], partial: bool) -> list[RequestOutput]:
+        """Hand the oldest launched step's tokens (read) to their sequences; the outputs of the
+        step, not delivered yet."""
+        # Those finished before and returned since have left the table.
+        finished = self._finished = [r for r in self._finished if self._requests.get(r.request_id) is r]
         now = time.perf_counter()
+        if not self._launched:  # nothing ran: report what an interrupted call did not
+            return step_outputs([], finished, partial, now, self.tokenizer)
+        step = self._launched.popleft()
         # The loop over every sample of the step: kept to an append and a few cheap tests.
-        ended: list[Request] = []
         got: list[Sequence] = []
         named_ids: list[int] = []  # cache slots reserved for these tokens before they were known
         named: list[int] = []
@@ -243,12 +303,10 @@ class LLM:
             token_ids.append(token)
             got.append(seq)
             request = seq.request
-            if token in request.stop_ids:
-                self.scheduler.finish(seq, "stop")
-                ended.append(request)
-            elif len(token_ids) >= request.max_len:
-                self.scheduler.finish(seq, "length")
-                ended.append(request)
+            if token in request.stop_ids or len(token_ids) >= request.max_len:
+                self.scheduler.finish(seq, "stop" if token in request.stop_ids else "length")
+                if request.finished:
+                    finished.append(request)
             elif seq.pending_in_cache:
                 seq.pending_in_cache = False
                 named_ids.append(seq.seq_id)
@@ -262,9 +320,7 @@ class LLM:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
         self.stats.num_generated_tokens += len(got)
-        if partial:
-            return partial_outputs(got, ended, now, self._requests, self.tokenizer)
-        return finished_outputs(ended, now, self._requests, self.tokenizer)
+        return step_outputs(got, finished, partial, now, self.tokenizer)
 
     def _run(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the forward and sampling of one step. Advances num_computed, forks n > 1
@@ -317,83 +373,7 @@ class LLM:
                              num_computed=parent.num_computed, in_cache=True)
             self.cache.fork(parent.seq_id, child.seq_id)
             children.append(child)
-        parent.pending_forks = 0
         request.sequences += children
+        parent.pending_forks = 0
         self.scheduler.insert_after(parent, children)
         return children
-
-    # -- batch and streaming APIs ---------------------------------------------------------------
-    def _add_all(self, prompts, sampling_params) -> list[str]:
-        prompts, params = batch_of(prompts, sampling_params)
-        # Check every request first, so that a bad one leaves nothing queued.
-        checked = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                checked.append(self._checked(prompt, p))
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"{error} (prompt {i} of {len(prompts)})") from None
-        return [self._enqueue(*request, None) for request in checked]
-
-    def stream(self, prompts: Prompt | Iterable[Prompt],
-               sampling_params: SamplingParams | Seq[SamplingParams] | None = None
-               ) -> Iterator[RequestOutput]:
-        """Queue the prompts and yield RequestOutputs as they progress (partial ones after every
-        step they got a token in, then the finished one), until all of them are finished."""
-        with self._lock:  # another thread's steps would take this stream's outputs
-            yield from self._stream(prompts, sampling_params)
-
-    def _stream(self, prompts, sampling_params) -> Iterator[RequestOutput]:
-        ids = set(self._add_all(prompts, sampling_params))
-        try:
-            while ids:
-                ids &= self._requests.keys()  # abort_request() during the loop: yields no more
-                if not ids:
-                    break
-                with torch.inference_mode():
-                    outputs = self._step(partial=True)
-                for out in outputs:
-                    if out.request_id in ids:
-                        if out.finished:
-                            ids.discard(out.request_id)
-                        yield out
-        finally:
-            for request_id in ids:  # the consumer stopped early
-                self.abort_request(request_id)
-
-    @torch.inference_mode()
-    def generate(self, prompts: Prompt | Iterable[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run the prompts to the end; outputs in the order of the prompts. A tqdm bar shows
-        finished requests and output tok/s (use_tqdm=False turns it off)."""
-        with self._lock:  # another thread's steps would take this call's outputs
-            return self._generate(prompts, sampling_params, use_tqdm)
-
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        ids = self._add_all(prompts, sampling_params)
-        results: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="pagedkv", unit="req", dynamic_ncols=True)
-        start, generated0 = time.perf_counter(), self.stats.num_generated_tokens
-        wanted = set(ids)
-        try:
-            while len(results) < len(ids):
-                for out in self._step(partial=False):
-                    if out.request_id in wanted:
-                        results[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-                if bar is not None:
-                    rate = (self.stats.num_generated_tokens - generated0) / (time.perf_counter() - start)
-                    bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
-        except BaseException:
-            for request_id in wanted - results.keys():
-                self.abort_request(request_id)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return [results[i] for i in ids]

@@ -3,6 +3,7 @@ tokenizer, and prompts as strings or token ids, checked and turned into token-id
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Sequence
 
@@ -75,12 +76,26 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> tuple[str | N
     return text, ids
 
 
+def is_token(value) -> bool:
+    """Whether a batch's item is a token id (its batch is then one prompt): a Python or numpy
+    integer, or a 0-d integer tensor or array."""
+    if isinstance(value, numbers.Integral):
+        return True
+    return getattr(value, "ndim", None) == 0 and not isinstance(value, (str, bytes))
+
 
 def batch_of(prompts, sampling_params) -> tuple[list, list]:
     """(prompts, one sampling-params entry per prompt) of LLM.generate/stream's arguments: one
-    prompt (a string or a list of ids) or many; one SamplingParams (or None) for all, or a list."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and isinstance(prompts[0], int)):
+    prompt (a string, a list of ids, a 1-D tensor or array [n]) or many (a list, or a 2-D
+    tensor or array [B, n]: its rows); one SamplingParams (or None) for all, or a list."""
+    ndim = getattr(prompts, "ndim", None)  # torch and numpy arrays
+    if ndim is not None and not isinstance(prompts, (str, bytes)):
+        if ndim not in (1, 2):
+            raise ValueError(f"pagedkv.LLM: prompts given as an array must be [n] (one prompt) or "
+                             f"[B, n] (B prompts), got shape {tuple(prompts.shape)}")
+        prompts = [prompts] if ndim == 1 else list(prompts)
+    elif isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                      and is_token(prompts[0])):
         prompts = [prompts]
     prompts = list(prompts)
     if isinstance(sampling_params, (list, tuple)):

@@ -12,29 +12,43 @@ from pagedkv.engine.request import Sequence
 from pagedkv.runtime.sampler import Sampler
 
 
+def _offset(seq: Sequence) -> int:
+    """A row's RNG offset: the tokens the sequence generated, a pending one (sampled in the step
+    before, not read back yet) included."""
+    return seq.num_output + seq.pending
+
+
 class SamplingBatch:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
         self._seqs: list[Sequence] = []
         self._step = -2  # the engine step that last sampled
+        self._first_offset = 0  # _seqs[0]'s offset then
 
     def repeats(self, seqs: list[Sequence], step: int) -> bool:
         """True when the step before (step: the engine's step number) sampled the very same
-        sequences in the same order: nothing was admitted, finished, preempted or forked since.
-        Each of them then got exactly one token since, and none is at its first sample."""
-        return step == self._step + 1 and seqs == self._seqs  # Sequence compares by identity
+        sequences in the same order: nothing was admitted, finished, preempted or forked since,
+        and that step did not fail after it wrote the rows (a failed step's samples never count:
+        its sequences are recomputed with the offsets they had). Each of them then got exactly
+        one token since, and none is at its first sample."""
+        if not seqs or step != self._step + 1 or seqs != self._seqs:  # Sequence compares by identity
+            return False
+        # A step's samples become pending all together once it has sampled (LaunchedStep), so
+        # the first row tells whether the step before got its tokens.
+        return _offset(seqs[0]) == self._first_offset + 1
 
     def prepare(self, seqs: list[Sequence], step: int, repeat: bool) -> Sampler:
         """The sampler with seqs' parameters in its first rows (in order); repeat: what
-        repeats(seqs, step) said. A row's RNG offset counts a pending token (sampled in the step
-        before, not read back yet) as generated."""
-        self._step = step
+        repeats(seqs, step) said."""
         if repeat:
             self.sampler.advance_offsets(len(seqs))  # stream-ordered after the last step's sampling
-            return self.sampler
-        self._seqs = list(seqs)
-        params = [s.request.params for s in seqs]
-        self.sampler.set_rows([p.temperature for p in params],
-                              [p.top_k for p in params], [p.top_p for p in params],
-                              [s.seed for s in seqs], [s.num_output + s.pending for s in seqs])
+        else:
+            self._seqs = []  # the rows are rewritten: nothing repeats them until that succeeded
+            params = [s.request.params for s in seqs]
+            self.sampler.set_rows([p.temperature for p in params],
+                                  [p.top_k for p in params], [p.top_p for p in params],
+                                  [s.seed for s in seqs], [_offset(s) for s in seqs])
+            self._seqs = list(seqs)
+        self._step = step
+        self._first_offset = _offset(seqs[0])
         return self.sampler

@@ -208,23 +208,19 @@ class Scheduler:
         at = self.running.index(parent) + 1
         self.running[at:at] = children
 
-    def recompute(self, seqs: list[Sequence]) -> None:
-        """After a step that failed once its slots were reserved: the sequences go back to the
-        front of the waiting queue (oldest first), their blocks freed and dropped from the prefix
-        cache (their K/V may never have been written), to be computed again from their tokens."""
-        for seq in reversed(seqs):
-            self.running.remove(seq)
-            self.cache.free(seq.seq_id, keep_cached=False)
-            seq.in_cache = False
-            seq.pending_in_cache = False
-            seq.num_computed = 0
-            seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
+    def reset(self, waiting: list[Sequence]) -> None:
+        """Start over (engine/repair.py): nothing runs, `waiting` waits in this order. Every
+        sequence the cache holds is freed, its blocks dropped from the prefix cache unless another
+        sequence holds them (their K/V may never have been written)."""
+        for seq_id in self.cache.manager.sequence_ids():
+            self.cache.free(seq_id, keep_cached=False)
+        self.running = []
+        self.waiting = collections.deque(waiting)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """The sequence ended (running, or waiting after a preemption while its token came back)."""
+        seq.finish_reason = reason  # first: a sequence with a reason counts as finished (repair.py)
         self.abort(seq)
-        seq.finish_reason = reason
 
     def abort(self, seq: Sequence) -> None:
         if seq.status is Status.RUNNING:

@@ -15,12 +15,24 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from pagedkv.cache import KVCache
 from pagedkv.hf.generation_config import resolve_generation
 from pagedkv.models.registry import attention_window, check_supported
-from pagedkv.runtime.fixed_batch import FixedBatch
+from pagedkv.runtime.fixed_batch import FixedBatch, GenerationSettings
 from pagedkv.runtime.model import PREPARED_ATTR, device_of, prepared
 
 
-def _prompts_from_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
-    """Each row's real tokens. HF's decoder-only generate expects left padding."""
+def _inferred_mask(input_ids: torch.Tensor, settings: GenerationSettings) -> torch.Tensor | None:
+    """HF's _prepare_attention_mask_for_generation without an attention_mask: the mask is
+    input_ids != pad_token_id when the pad id (the first EOS id if unset) occurs in input_ids
+    and is not an EOS id; else none (every token counts)."""
+    pad, eos = settings.pad_token_id, settings.eos_token_ids
+    if pad is None or pad in eos or not bool((input_ids == pad).any()):
+        return None
+    return input_ids != pad
+
+
+def _prompts_from_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                              inferred_from: int | None = None) -> list[list[int]]:
+    """Each row's real tokens. HF's decoder-only generate expects left padding.
+    inferred_from: the pad id the mask was inferred from (for the error message)."""
     if attention_mask is None:
         return input_ids.tolist()
     if not isinstance(attention_mask, torch.Tensor):
@@ -32,13 +44,24 @@ def _prompts_from_left_padded(input_ids: torch.Tensor, attention_mask: torch.Ten
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"pagedkv.generate: attention_mask has shape {tuple(attention_mask.shape)} "
                          f"but input_ids has {tuple(input_ids.shape)}; they must match")
-    mask = attention_mask.bool().cpu()
+    mask = attention_mask.cpu()
+    if mask.dtype != torch.bool:
+        # HF reads other values as weights (2 doubles positions, 0.5 scales attention), so no
+        # drop-in gives its tokens for them.
+        bad = mask[(mask != 0) & (mask != 1)]
+        if bad.numel():
+            raise ValueError("pagedkv.generate: attention_mask must hold only 0 and 1 (bool, integer or "
+                             f"float dtype); got {sorted(set(bad.tolist()))[:5]}")
+        mask = mask.bool()
     lengths = mask.sum(1)
     width = input_ids.shape[1]
     expected = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
     if not torch.equal(mask, expected):
-        raise ValueError("pagedkv.generate: attention_mask must be left-padded (zeros, then ones "
-                         "in each row), as HF's decoder-only generate expects; got another pattern")
+        source = ("attention_mask" if inferred_from is None else f"the attention mask, inferred from "
+                  f"pad_token_id={inferred_from} as HF does without one,")
+        raise ValueError(f"pagedkv.generate: {source} must be left-padded (zeros, then ones in each "
+                         "row), as HF's decoder-only generate expects; got another pattern"
+                         + ("" if inferred_from is None else "; pass attention_mask"))
     if (lengths == 0).any():
         raise ValueError(f"pagedkv.generate: row(s) {(lengths == 0).nonzero().flatten().tolist()} "
                          "of attention_mask are empty; every prompt needs at least one token")
@@ -65,7 +88,6 @@ def _check_inputs(model, input_ids) -> None:
         raise ValueError(f"pagedkv.generate: input_ids hold ids in [{lo}, {hi}]; allowed: [0, {vocab - 1}]")
 
 
-@torch.inference_mode()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              generation_config: GenerationConfig | None = None, streamer=None,
              use_cuda_graphs: bool | None = None, **kwargs):
@@ -73,11 +95,30 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     on the model's device. Returns what HF returns: a [B, S + N] tensor of the prompts and the new
     tokens (pad_token_id after a row's EOS), or a GenerateDecoderOnlyOutput with `sequences` when
     return_dict_in_generate=True. Settings HF accepts but pagedkv does not implement raise
-    UnsupportedGenerationArgument naming them. use_cuda_graphs: default on for CUDA models."""
+    UnsupportedGenerationArgument naming them. use_cuda_graphs: default on for CUDA models.
+    The result is an ordinary tensor, as HF's (no_grad), not an inference tensor."""
+    with torch.inference_mode():
+        new_tokens, settings = _generate(model, input_ids, attention_mask, generation_config,
+                                         streamer, use_cuda_graphs, kwargs)  # [B, N]
+    with torch.no_grad():  # outside inference mode: the concatenation is an ordinary tensor
+        sequences = torch.cat([input_ids, new_tokens.to(input_ids.dtype)], dim=1)
+    if settings.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def _generate(model, input_ids, attention_mask, generation_config, streamer, use_cuda_graphs,
+              kwargs) -> tuple[torch.Tensor, GenerationSettings]:
+    """The new tokens [B, N] and the call's settings."""
     check_supported(model)
     _check_inputs(model, input_ids)
-    settings = resolve_generation(model, input_ids.shape[1], generation_config, kwargs)
-    prompts = _prompts_from_left_padded(input_ids, attention_mask)
+    settings = resolve_generation(model, input_ids.shape[1], generation_config, kwargs,
+                                  batch_without_mask=attention_mask is None and input_ids.shape[0] > 1)
+    inferred_from = None
+    if attention_mask is None:
+        attention_mask = _inferred_mask(input_ids, settings)
+        inferred_from = settings.pad_token_id
+    prompts = _prompts_from_left_padded(input_ids, attention_mask, inferred_from)
     window = attention_window(model)
     longest = max(len(p) for p in prompts) + settings.max_new_tokens
     if window is not None and longest > window:
@@ -90,10 +131,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             state.fixed_batch = FixedBatch(state)
         new_tokens = state.fixed_batch.generate(prompts, input_ids, settings, streamer,
                                                 use_cuda_graphs)  # [B, N]
-    sequences = torch.cat([input_ids, new_tokens.to(input_ids.dtype)], dim=1)
-    if settings.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
-    return sequences
+    return new_tokens, settings
 
 
 def kv_cache_of(model) -> KVCache | None:

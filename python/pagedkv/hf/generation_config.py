@@ -2,16 +2,18 @@
 
 HF merges, by priority, the call's kwargs or ``generation_config`` > ``model.generation_config`` >
 global defaults (e.g. ``max_length=20``, ``top_k=50``). pagedkv reuses HF's own resolution, then
-refuses any setting it does not implement, naming it, instead of silently ignoring it.
+refuses any setting it does not implement, naming it, instead of silently ignoring it. Setting
+values come in the forms arguments.py takes (NumPy ints, 0-d tensors, ...).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-import torch
 from transformers import GenerationConfig
 
+from pagedkv.hf import arguments
 from pagedkv.runtime.fixed_batch import GenerationSettings
 
 # Settings pagedkv implements; any other field that differs from HF's global default is refused.
@@ -25,6 +27,8 @@ SUPPORTED_FIELDS = frozenset({
 })
 # Fields whose only accepted value is HF's default (checked above for everything else).
 _MUST_BE = {"use_cache": True, "num_beams": 1, "num_return_sequences": 1}
+# Settings read below, in the forms arguments.py takes.
+_VALUE_FIELDS = arguments.INTEGER_FIELDS + arguments.REAL_FIELDS + arguments.FLAG_FIELDS + ("eos_token_id",)
 
 
 class UnsupportedGenerationArgument(ValueError):
@@ -41,27 +45,25 @@ def _resolve(model, generation_config: GenerationConfig | None, kwargs: dict[str
     return model._prepare_generation_config(generation_config, **kwargs)
 
 
-def resolve_generation(
-    model, prompt_length: int, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
-) -> GenerationSettings:
-    """Resolve and check a generate() call. prompt_length is input_ids.shape[1] (padded length),
-    which HF's max_length and min_length include."""
-    config, leftover = _resolve(model, generation_config, dict(kwargs))
-    leftover = {k: v for k, v in leftover.items() if v is not None}
-    if leftover:
-        raise UnsupportedGenerationArgument(
-            f"pagedkv.generate: unsupported argument(s) {sorted(leftover)}; supported: input_ids, "
-            f"attention_mask, generation_config, streamer and the generation settings "
-            f"{sorted(f for f in SUPPORTED_FIELDS if not f.startswith('_'))}"
-        )
+def _equal(value: Any, default: Any) -> bool:
+    """value == default, False where the comparison has no single truth value (arrays)."""
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _check_fields(config: GenerationConfig) -> None:
+    """Refuse, naming it, a setting pagedkv does not implement."""
     defaults = _global_defaults()
     for name, value in config.to_dict().items():
         default = defaults.get(name)
-        if name in _MUST_BE and value not in (None, _MUST_BE[name]):
+        if name in _MUST_BE and value is not None and not _equal(value, _MUST_BE[name]):
             raise UnsupportedGenerationArgument(
                 f"pagedkv.generate: {name}={value!r} is not supported; allowed: {_MUST_BE[name]!r}"
             )
-        is_off = value is None or value is False or value in ({}, [], ()) or value == default
+        is_off = (value is None or value is False or _equal(value, default)
+                  or (isinstance(value, (dict, list, tuple)) and not value))
         if name not in SUPPORTED_FIELDS and not is_off:
             raise UnsupportedGenerationArgument(
                 f"pagedkv.generate: generation setting {name}={value!r} is not supported "
@@ -69,28 +71,92 @@ def resolve_generation(
                 f"{sorted(f for f in SUPPORTED_FIELDS if not f.startswith('_'))}"
             )
 
-    if config.max_new_tokens is not None:
-        max_new = config.max_new_tokens
-        source = f"max_new_tokens={max_new}"
+
+def _lengths(model, config: dict[str, Any], prompt_length: int, default_max_length: bool) -> tuple[int, int]:
+    """(max_new_tokens, min_new_tokens) as HF's _prepare_generated_length resolves them: with
+    neither max_new_tokens nor a max_length set anywhere, HF generates max_length (20) NEW
+    tokens, at most max_position_embeddings in all; min_new_tokens overrides min_length."""
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if config["max_new_tokens"] is not None:
+        max_length = config["max_new_tokens"] + prompt_length
+    elif default_max_length:
+        warnings.warn(f"Using the model-agnostic default `max_length` (={config['max_length']}) to control "
+                      "the generation length. We recommend setting `max_new_tokens` to control the "
+                      "maximum length of the generation.", UserWarning, stacklevel=5)
+        max_length = config["max_length"] + prompt_length
+        if max_positions is not None and max_length > max_positions:
+            max_length = max_positions
+            if prompt_length >= max_length:
+                raise ValueError(f"pagedkv.generate: prompts of length {prompt_length} leave no token to "
+                                 f"generate within max_position_embeddings ({max_positions}); HF's default "
+                                 "length is 20 new tokens, at most max_position_embeddings in all")
     else:
-        max_new = config.max_length - prompt_length
-        source = f"max_length={config.max_length} with prompts of length {prompt_length}"
-    if max_new <= 0:
-        raise ValueError(f"pagedkv.generate: {source} leaves no token to generate; it must allow >= 1")
-    min_new = max(config.min_new_tokens or 0, (config.min_length or 0) - prompt_length, 0)
+        max_length = config["max_length"]
+    if prompt_length >= max_length:
+        raise ValueError(f"pagedkv.generate: max_length={max_length} with prompts of length "
+                         f"{prompt_length} leaves no token to generate; it must allow >= 1")
+    for name in ("min_new_tokens", "min_length"):
+        if (config[name] or 0) < 0:
+            raise ValueError(f"pagedkv.generate: {name}={config[name]}; it must be >= 0")
+    min_new = config["min_new_tokens"]
+    if min_new is None:
+        min_new = max((config["min_length"] or 0) - prompt_length, 0)
+    return max_length - prompt_length, min_new
 
-    eos = config.eos_token_id
-    eos_ids = tuple(int(t) for t in (eos.tolist() if isinstance(eos, torch.Tensor) else
-                                    eos if isinstance(eos, (list, tuple)) else
-                                    [] if eos is None else [eos]))
-    pad = config.pad_token_id
-    pad = eos_ids[0] if pad is None and eos_ids else pad  # HF pads with the first EOS id
 
-    do_sample = bool(config.do_sample)
-    temperature = float(config.temperature if config.temperature is not None else 1.0)
-    top_k = int(config.top_k or 0)
-    top_p = float(config.top_p if config.top_p is not None else 1.0)
-    penalty = float(config.repetition_penalty if config.repetition_penalty is not None else 1.0)
+def _warn_unmasked_batch(pad_defaulted: bool, pad_is_eos: bool) -> None:
+    """HF's warnings (in _prepare_special_tokens) for a batch of several rows given no
+    attention_mask, when the mask cannot be inferred from the pad id."""
+    if pad_defaulted:
+        warnings.warn("The attention mask and the pad token id were not set, with a batched input. As a "
+                      "consequence, you may observe unexpected behavior. Please pass your input's "
+                      "`attention_mask` to obtain reliable results.", UserWarning, stacklevel=5)
+    if pad_is_eos:
+        warnings.warn("The attention mask is not set with a batched input, and cannot be inferred from input "
+                      "because pad token is same as eos token. As a consequence, you may observe unexpected "
+                      "behavior. Please pass your input's `attention_mask` to obtain reliable results.",
+                      UserWarning, stacklevel=5)
+
+
+def resolve_generation(
+    model, prompt_length: int, generation_config: GenerationConfig | None, kwargs: dict[str, Any],
+    batch_without_mask: bool = False,
+) -> GenerationSettings:
+    """Resolve and check a generate() call. prompt_length is input_ids.shape[1] (padded length),
+    which HF's max_length and min_length include. batch_without_mask: several rows and no
+    attention_mask (HF's warnings about padding apply)."""
+    kwargs = arguments.normalized(kwargs)
+    # As HF's generate: the default length applies when no max_length is set anywhere.
+    default_max_length = (kwargs.get("max_length") is None
+                          and getattr(generation_config, "max_length", None) is None
+                          and getattr(model.generation_config, "max_length", None) is None)
+    config, leftover = _resolve(model, generation_config, kwargs)
+    leftover = {k: v for k, v in leftover.items() if v is not None}
+    if leftover:
+        raise UnsupportedGenerationArgument(
+            f"pagedkv.generate: unsupported argument(s) {sorted(leftover)}; supported: input_ids, "
+            f"attention_mask, generation_config, streamer and the generation settings "
+            f"{sorted(f for f in SUPPORTED_FIELDS if not f.startswith('_'))}"
+        )
+    _check_fields(config)
+    values = arguments.normalized({name: getattr(config, name, None) for name in _VALUE_FIELDS})
+    max_new, min_new = _lengths(model, values, prompt_length, default_max_length)
+
+    eos_ids = arguments.token_ids("eos_token_id", values["eos_token_id"])
+    pad = values["pad_token_id"]
+    pad_defaulted = pad is None and bool(eos_ids)
+    pad = eos_ids[0] if pad_defaulted else pad  # HF pads with the first EOS id
+    if batch_without_mask:
+        _warn_unmasked_batch(pad_defaulted, pad in eos_ids)
+    # Ids outside the vocabulary are never generated (HF never matches them); dropped, so that
+    # min_new_tokens' EOS suppression indexes only real logits.
+    eos_ids = tuple(t for t in eos_ids if 0 <= t < model.config.vocab_size)
+
+    do_sample = bool(values["do_sample"])
+    temperature = values["temperature"] if values["temperature"] is not None else 1.0
+    top_k = values["top_k"] or 0
+    top_p = values["top_p"] if values["top_p"] is not None else 1.0
+    penalty = values["repetition_penalty"] if values["repetition_penalty"] is not None else 1.0
     # Checked with or without do_sample (HF only warns when greedy ignores them): a bad value is
     # a mistake either way. `not x > 0` also catches NaN.
     if not temperature >= 0 or (do_sample and not temperature > 0):
@@ -105,5 +171,5 @@ def resolve_generation(
     return GenerationSettings(
         max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_ids, pad_token_id=pad,
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-        repetition_penalty=penalty, return_dict_in_generate=bool(config.return_dict_in_generate),
+        repetition_penalty=penalty, return_dict_in_generate=bool(values["return_dict_in_generate"]),
     )

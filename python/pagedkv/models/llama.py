@@ -9,7 +9,7 @@ metadata (slot_mapping, block tables, context lengths). Per layer:
 
 QKV and gate/up are fused ONCE without extra memory: the fused tensor is allocated, the HF
 weights are copied in, and HF's parameters are re-pointed to views of it. The HF model keeps
-working (its weights are the same values, now slices of the fused tensors).
+working, and training (its weights are the same values, now slices of the fused tensors).
 """
 
 from __future__ import annotations
@@ -71,8 +71,11 @@ def _fuse_rows(linears: list[torch.nn.Linear], with_bias: bool) -> tuple[torch.T
 
 def extract_weights(model) -> DecoderWeights:
     """Take (and fuse, in place) the weights of an HF Llama/Qwen2/Qwen3/Mistral *ForCausalLM.
-    Call once per model (the runner caches the result): weights updated in place later (e.g. by
-    load_state_dict) are seen, parameters replaced by new tensors are not."""
+    Call once per model (runtime/model.py keeps the result): weights written in place later
+    (load_state_dict, optimizer steps) are seen, being HF's own tensors; new tensors, modules,
+    dtypes or devices are not, so runtime/model.py takes the weights again when the model's
+    fingerprint changed. Call outside inference mode: HF's parameters become views of the fused
+    tensors, and must stay trainable."""
     config = model.config
     inner = model.model
     layers = []

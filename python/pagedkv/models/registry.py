@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from pagedkv.layers.rotary import rope_type
 
@@ -40,6 +41,9 @@ def unsupported_reason(model) -> str | None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return (f"head_dim {head_dim} is not supported; supported: "
                 f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    reason = _module_reason(model)
+    if reason is not None:
+        return reason
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         return f"layer_types {sorted(set(layer_types))} are not supported; supported: full_attention"
@@ -54,6 +58,39 @@ def unsupported_reason(model) -> str | None:
     device = next(iter(devices))
     if device.type not in ("cpu", "cuda"):
         return f"device {device} is not supported; supported: cpu, cuda"
+    return None
+
+
+# The modules of each decoder layer that pagedkv takes weights from, by parent; nn.Linear exactly.
+_LAYER_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _module_reason(model) -> str | None:
+    """pagedkv runs its own forward from the weights of the modules on the decoder's path: one of
+    another type there (an adapter wrapper such as PEFT's LoRA layers, a quantized or custom
+    Linear) would be silently left out, so it is refused. Reads _modules directly: this runs on
+    every generate() call, and nn.Module.__getattr__ is slow."""
+    inner = model.model
+    path = [("model.embed_tokens", inner._modules.get("embed_tokens"), nn.Embedding),
+            ("lm_head", model._modules.get("lm_head"), nn.Linear), ("model.norm", inner._modules.get("norm"), None)]
+    for i, layer in enumerate(inner._modules["layers"]):
+        at, subs = f"model.layers.{i}", layer._modules
+        path.append((at, layer, None))
+        path += [(f"{at}.{n}", subs.get(n), None) for n in ("input_layernorm", "post_attention_layernorm")]
+        for parent, names in _LAYER_LINEARS.items():
+            block = subs.get(parent)
+            path.append((f"{at}.{parent}", block, None))
+            linears = {} if block is None else block._modules
+            path += [(f"{at}.{parent}.{n}", linears.get(n), nn.Linear) for n in names]
+    for name, module, cls in path:
+        kind = type(module)
+        if cls is not None and kind is not cls:
+            return (f"{name} is a {kind.__name__}, not a torch.nn.{cls.__name__}: pagedkv runs its "
+                    "own forward from the weights and would leave out what the module adds "
+                    "(merge adapters into the weights first, e.g. PEFT's merge_and_unload())")
+        if cls is None and not kind.__module__.startswith("transformers."):
+            return (f"{name} is a {kind.__name__} from {kind.__module__}, not the model's own "
+                    "transformers module: pagedkv runs its own forward and would leave it out")
     return None
 
 

@@ -69,5 +69,5 @@ class DecodeState:
         ops.advance_decode_rows(next_tokens, self.tokens, self.positions, self.context_lens,
                                 self.generated, offsets, self.slot_mapping, self.block_tables,
                                 self.block_size)
-        if self.seen is not None:
-            self.seen.scatter_(1, next_tokens.unsqueeze(1), True)
+        if self.seen is not None:  # tokens: next_tokens with an invalid -1 read as 0
+            self.seen.scatter_(1, self.tokens.unsqueeze(1), True)

@@ -94,13 +94,12 @@ class FixedBatch:
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
         num_blocks = sum(math.ceil((len(p) + max_new) / BLOCK_SIZE) for p in prompts)
         runner = self._runner_for(num_blocks, len(prompts), sum(map(len, prompts)), longest)
+        _release(runner.cache)  # rows of a call interrupted in its own clean-up
         seq_ids = list(range(len(prompts)))
         try:
             return self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs)
         finally:
-            for sid in seq_ids:
-                if runner.cache.has_sequence(sid):
-                    runner.cache.free(sid)
+            _release(runner.cache)
 
     # -- the cache ---------------------------------------------------------------------------
     def _runner_for(self, num_blocks: int, rows: int, prompt_tokens: int, longest: int) -> ModelRunner:
@@ -114,9 +113,10 @@ class FixedBatch:
         w = model.weights
         spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, model.dtype, BLOCK_SIZE)
         self._check_memory(spec, num_blocks, rows, longest)
-        # The old cache and its graphs go before the new cache is allocated.
-        runner = self.runner = None
+        # The old cache and its graphs go before the new cache is allocated (the buffers first:
+        # interrupted between the two, the old runner stays whole).
         self._buffers.clear()
+        runner = self.runner = None
         cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
                         device=model.device, block_size=spec.block_size, num_blocks=num_blocks,
                         max_seq_len=model.max_positions, enable_prefix_caching=False,
@@ -147,9 +147,10 @@ class FixedBatch:
     def _decode_step(self, runner: ModelRunner, key: _GraphKey, settings: GenerationSettings,
                      graphs: bool):
         """(replay, state, sampler): replay() runs one decode step and its advance."""
-        if graphs and key in self._buffers:
+        captured = runner.graphs.get(key) if graphs else None
+        if captured is not None and key in self._buffers:
             state, sampler = self._buffers[key]
-            return runner.graphs.get(key).replay, state, sampler
+            return captured.replay, state, sampler
         device = self.model.device
         vocab = self.model.weights.vocab_size if settings.repetition_penalty != 1.0 else None
         state = DecodeState.allocate(key.rows, key.max_blocks, vocab, BLOCK_SIZE, device)
@@ -166,8 +167,9 @@ class FixedBatch:
 
         if not graphs:
             return step, state, sampler
-        self._buffers[key] = (state, sampler)
-        return runner.graphs.capture(key, step).replay, state, sampler
+        replay = runner.graphs.capture(key, step).replay
+        self._buffers[key] = (state, sampler)  # once captured: a graph is used only with its buffers
+        return replay, state, sampler
 
     def _run(self, runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]],
              input_ids: torch.Tensor, settings: GenerationSettings, streamer, graphs: bool):
@@ -213,6 +215,12 @@ class FixedBatch:
                           streamer, input_ids, self.model.device)
 
 
+def _release(cache: KVCache) -> None:
+    """Free every row the cache holds: generate keeps none between calls."""
+    for seq_id in cache.manager.sequence_ids():
+        cache.free(seq_id)
+
+
 def _read_back(replay, first: torch.Tensor, next_tokens: torch.Tensor, rows: int, batch: int,
                max_new: int, settings: GenerationSettings, streamer, input_ids: torch.Tensor,
                device: torch.device) -> torch.Tensor:
@@ -246,6 +254,11 @@ def _read_back(replay, first: torch.Tensor, next_tokens: torch.Tensor, rows: int
             if ready[step] is not None:
                 ready[step].synchronize()
             tokens = tokens_host[step, :batch].clone()
+            if settings.do_sample and bool((tokens < 0).any()):  # -1: NaN/inf logits (ops.sample)
+                raise RuntimeError(f"pagedkv.generate: row(s) {(tokens < 0).nonzero().flatten().tolist()} "
+                                   f"of the batch have NaN or infinite logits at new token {step + 1}, so "
+                                   "do_sample=True has no distribution to draw from (HF's generate raises "
+                                   "too: probability tensor contains either inf, nan or element < 0)")
             if pad is not None:
                 tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
             if len(eos):

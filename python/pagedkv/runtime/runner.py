@@ -72,13 +72,14 @@ class PendingTokens:
     from_rows: list[int] | None = None  # [n] indices into source
 
     def fill(self, ids: torch.Tensor) -> None:
-        """Write the pending tokens into ids [T] (on the device), stream-ordered."""
+        """Write the pending tokens into ids [T] (on the device), stream-ordered. An invalid -1
+        (a sampled row with NaN/inf logits, raised on when read back) is fed as 0."""
         if self.rows is None:
-            ids[:self.n].copy_(self.source[:self.n])
+            torch.clamp(self.source[:self.n], min=0, out=ids[:self.n])
         else:
             device = ids.device
-            ids.index_copy_(0, to_device(self.rows, device),
-                            self.source.index_select(0, to_device(self.from_rows, device)))
+            tokens = self.source.index_select(0, to_device(self.from_rows, device)).clamp_(min=0)
+            ids.index_copy_(0, to_device(self.rows, device), tokens)
 
 
 @dataclasses.dataclass(slots=True)

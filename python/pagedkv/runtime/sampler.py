@@ -20,6 +20,10 @@ from torch.profiler import record_function
 
 from pagedkv import ops
 
+# The kernels take top_k as int32 and keep every token for top_k >= the vocabulary size (< 2**31),
+# so a larger top_k is top_k off either way: stored as this, exactly equivalent.
+TOP_K_MAX = 2**31 - 1
+
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> None:
     """In place, HF's RepetitionPenaltyLogitsProcessor: logits of tokens already in the sequence
@@ -67,25 +71,30 @@ class Sampler:
     def fill(self, temperature: float, top_k: int, top_p: float) -> None:
         """Every row alike (generate()); seeds and offsets are set by the caller."""
         self.temperatures.fill_(temperature)
-        self.top_k.fill_(top_k)
+        self.top_k.fill_(min(top_k, TOP_K_MAX))
         self.top_p.fill_(top_p)
         self.all_greedy = temperature <= 0
 
     def set_rows(self, temperatures: list[float], top_k: list[int], top_p: list[float],
                  seeds: list[int], offsets: list[int]) -> None:
         """The parameters of rows [0, n) (the engine's samples of one step, in order). More rows
-        than allocated re-allocate the tensors: only for a sampler no CUDA graph captured."""
+        than allocated re-allocate the tensors: only for a sampler no CUDA graph captured. Every
+        value is converted before any row is written, so a value that does not fit raises with
+        the rows (and all_greedy) as they were."""
         n = len(temperatures)
+        all_greedy = all(t <= 0 for t in temperatures)
+        if not all_greedy:
+            pinned = self.temperatures.device.type == "cuda"
+            host = [torch.tensor(values, dtype=dtype, pin_memory=pinned) for values, dtype in (
+                (temperatures, torch.float32), ([min(k, TOP_K_MAX) for k in top_k], torch.int32),
+                (top_p, torch.float32), (seeds, torch.int64), (offsets, torch.int64))]
         if n > self.rows:
             self._allocate(max(n, 2 * self.rows))
-        self.all_greedy = all(t <= 0 for t in temperatures)
-        if self.all_greedy:
+        self.all_greedy = all_greedy
+        if all_greedy:
             return
-        pinned = self.temperatures.device.type == "cuda"
-        for dst, values, dtype in ((self.temperatures, temperatures, torch.float32),
-                                   (self.top_k, top_k, torch.int32), (self.top_p, top_p, torch.float32),
-                                   (self.seeds, seeds, torch.int64), (self.offsets, offsets, torch.int64)):
-            dst[:n].copy_(torch.tensor(values, dtype=dtype, pin_memory=pinned), non_blocking=pinned)
+        for dst, src in zip((self.temperatures, self.top_k, self.top_p, self.seeds, self.offsets), host):
+            dst[:n].copy_(src, non_blocking=pinned)
 
     def advance_offsets(self, n: int) -> None:
         """Rows [0, n) each generated one token since they last sampled (stream-ordered)."""

@@ -1,0 +1,100 @@
+"""pagedkv.LLM's batch and streaming calls, generate() and stream(): queue a batch of prompts, all
+or none, and step the engine until every one has finished (a mixin of engine/llm.py's LLM, on its
+_checked, _auto_ids, _new_request, _commit, _step and abort_request). Their steps run every
+request; the finished outputs of requests added by add_request wait for a step() call."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.prompts import Prompt, batch_of
+from pagedkv.engine.request import Request
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+class BatchAPI:
+    def _new_batch(self, prompts, sampling_params) -> list[Request]:
+        """The batch's requests with their ids, checked and not queued: a bad prompt (or a
+        KeyboardInterrupt here) leaves nothing queued. Auto ids skip ids in use."""
+        prompts, params = batch_of(prompts, sampling_params)
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                checked.append(self._checked(prompt, p))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{error} (prompt {i} of {len(prompts)})") from None
+        ids = self._auto_ids(len(checked))
+        return [self._new_request(*request, request_id) for request, request_id in zip(checked, ids)]
+
+    def stream(self, prompts: Prompt | Iterable[Prompt],
+               sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Queue the prompts and yield RequestOutputs as they progress (partial ones after every
+        step they got a token in, then the finished one), until all of them are finished."""
+        with self._lock:  # another thread's steps would take this stream's outputs
+            yield from self._stream(prompts, sampling_params)
+
+    def _stream(self, prompts, sampling_params) -> Iterator[RequestOutput]:
+        self._repair()
+        batch = self._new_batch(prompts, sampling_params)
+        ids = {r.request_id for r in batch}
+        try:
+            self._commit(batch)
+            while ids:
+                ids &= self._requests.keys()  # abort_request() during the loop: yields no more
+                if not ids:
+                    break
+                with torch.inference_mode():
+                    outputs = self._step(partial=True, wanted=ids)
+                for out in outputs:
+                    if out.finished:
+                        ids.discard(out.request_id)
+                    yield out
+        finally:
+            for request_id in ids:  # the consumer stopped early, or an exception stopped the loop
+                self.abort_request(request_id)
+
+    @torch.inference_mode()
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run the prompts to the end; outputs in the order of the prompts. A tqdm bar shows
+        finished requests and output tok/s (use_tqdm=False turns it off)."""
+        with self._lock:  # another thread's steps would take this call's outputs
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        self._repair()
+        batch = self._new_batch(prompts, sampling_params)
+        ids = [r.request_id for r in batch]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        try:
+            self._commit(batch)
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(ids), desc="pagedkv", unit="req", dynamic_ncols=True)
+            start, generated0 = time.perf_counter(), self.stats.num_generated_tokens
+            wanted = set(ids)
+            while len(results) < len(ids):
+                for out in self._step(partial=False, wanted=wanted):
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+                if bar is not None:
+                    rate = (self.stats.num_generated_tokens - generated0) / (time.perf_counter() - start)
+                    bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+        except BaseException:
+            for request_id in ids:  # those finished have left the table: ignored
+                if request_id not in results:
+                    self.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

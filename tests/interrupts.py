@@ -1,0 +1,103 @@
+"""A KeyboardInterrupt injected at any Python line of pagedkv's step path (tests/test_interrupts.py,
+scripts/soak.py): a sys.settrace tracer counts the 'line' events of frames whose code lives in
+python/pagedkv/engine, runtime or cache, and raises at the N-th one.
+
+Tracing stops once it has raised (CPython unsets a trace function that raises), so a traced call
+sees one interrupt at most. Only the calling thread is traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import random
+import sys
+
+import pagedkv
+
+ROOT = pathlib.Path(pagedkv.__file__).resolve().parent
+TRACED = tuple(str(ROOT / d) + os.sep for d in ("engine", "runtime", "cache"))
+
+
+class Interrupter:
+    """Used as a context manager around the calls to interrupt. at=None only counts (and records
+    the (file, line) of each event in `sites`); at=N raises KeyboardInterrupt at the N-th event,
+    once, and records where in `where`."""
+
+    def __init__(self, at: int | None = None):
+        self.at = at
+        self.count = 0
+        self.sites: list[tuple[str, int]] = []
+        self.where: tuple[str, str, int] | None = None  # (file, function, line) of the interrupt
+        self.stack: list[str] = []  # the functions it interrupted, innermost first
+
+    @property
+    def fired(self) -> bool:
+        return self.where is not None
+
+    def _call(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename.startswith(TRACED) else None
+
+    def _line(self, frame, event, arg):
+        if event == "line":
+            self.count += 1
+            if self.at is None:
+                self.sites.append((frame.f_code.co_filename, frame.f_lineno))
+            elif self.count == self.at:
+                code = frame.f_code
+                self.where = (pathlib.Path(code.co_filename).name, code.co_name, frame.f_lineno)
+                while frame is not None:
+                    self.stack.append(frame.f_code.co_name)
+                    frame = frame.f_back
+                raise KeyboardInterrupt(f"injected at {self.where}")
+        return self._line
+
+    def __enter__(self) -> Interrupter:
+        if not self.fired:
+            sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+
+
+def interrupt_points(sites: list[tuple[str, int]], sample: int = 40, seed: int = 0) -> list[int]:
+    """Which events (1-based) to interrupt at, of a run whose events were `sites`: the first and the
+    last event of every distinct line (so every line the run executes is interrupted, early and
+    late in the run, e.g. in the step that hands over the last outputs), and `sample` more at
+    random (a fixed seed). PAGEDKV_INTERRUPT_ALL=1: every event."""
+    n = len(sites)
+    if os.environ.get("PAGEDKV_INTERRUPT_ALL"):
+        return list(range(1, n + 1))
+    first: dict[tuple[str, int], int] = {}
+    last: dict[tuple[str, int], int] = {}
+    for i, site in enumerate(sites, 1):
+        first.setdefault(site, i)
+        last[site] = i
+    chosen = set(first.values()) | set(last.values())
+    chosen.update(random.Random(seed).sample(range(1, n + 1), min(sample, n)))
+    return sorted(chosen)
+
+
+class RandomInterrupts:
+    """A share `rate` of the calls made under it get an interrupt at a random line event
+    (scripts/soak.py): `with chaos():` around a call; the point is drawn up to the most events a
+    call was seen to run (uninterrupted calls are counted). One per thread: settrace traces only
+    the thread that sets it."""
+
+    def __init__(self, rate: float, seed: int):
+        self.rate, self.rng = rate, random.Random(seed)
+        self.span = 200
+        self.fired = 0
+        self.tracer: Interrupter | None = None
+
+    def __call__(self) -> Interrupter | contextlib.nullcontext:
+        self.tracer = Interrupter(self.rng.randint(1, self.span)) if self.rng.random() < self.rate else None
+        return self.tracer or contextlib.nullcontext()
+
+    def done(self, interrupted: bool) -> None:
+        """After the call: whether it raised the injected KeyboardInterrupt."""
+        self.fired += interrupted
+        if self.tracer is not None and not interrupted:
+            self.span = max(self.span, self.tracer.count)
