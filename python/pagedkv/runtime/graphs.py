@@ -6,11 +6,19 @@ sampler parameters) are static buffers the host rewrites before each replay, and
 once outside capture first, on a side stream (lazy initialisations and cuBLAS workspaces must
 not happen inside a capture), then captured; later uses replay it. All graphs of one runner share
 one memory pool: they replay one at a time on one stream, so their intermediates may overlap.
+
+A capture must not be broken by what else runs meanwhile: Python's cyclic garbage collector is
+off during it (collecting an unreachable engine would destroy its graphs, and destroying a graph
+while a stream captures invalidates the capture and every later CUDA call of the process), and
+the capture is thread-local (another thread's CUDA calls, e.g. another engine's, are allowed).
+An exception inside the capture (a KeyboardInterrupt included) ends it, and the step is captured
+afresh next time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Any, Callable, Hashable
 
 import torch
@@ -42,14 +50,17 @@ class CudaGraphs:
     def capture(self, key: Hashable, step: Callable[[], Any], buffers: Any = None) -> CapturedStep:
         """Warm `step` up outside capture, capture it under `key`, and return it (not replayed:
         the capture itself runs nothing, so the caller replays it for the step at hand)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        home = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(home)
+        try:
+            torch.cuda.set_stream(side)
             step()
-        torch.cuda.current_stream().wait_stream(stream)
+        finally:
+            torch.cuda.set_stream(home)
+        home.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = step()
+        outputs = _captured(graph, self.pool, step, home)
         captured = self._steps[key] = CapturedStep(graph, outputs, buffers, self.label)
         return captured
 
@@ -58,3 +69,28 @@ class CudaGraphs:
 
     def __len__(self) -> int:
         return len(self._steps)
+
+
+def _captured(graph: torch.cuda.CUDAGraph, pool, step: Callable[[], Any], home: torch.cuda.Stream) -> Any:
+    """step()'s outputs, captured into `graph`. If anything interrupts the capture, the capture is
+    ended and `home` made current again before the exception goes on: a `with` statement does
+    not guarantee it (an exception raised as the block ends, e.g. a KeyboardInterrupt arriving
+    then, skips __exit__), and a stream left capturing fails every later CUDA call."""
+    capture = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+    collecting = gc.isenabled()
+    try:
+        gc.disable()
+        with capture:
+            return step()
+    except BaseException:
+        if torch.cuda.is_current_stream_capturing():
+            try:
+                capture.__exit__(None, None, None)  # ends the capture; its graph is dropped
+            except Exception:  # noqa: BLE001 - an invalid capture still ends; the first error goes on
+                pass
+        if torch.cuda.current_stream() != home:
+            torch.cuda.set_stream(home)
+        raise
+    finally:
+        if collecting:
+            gc.enable()
