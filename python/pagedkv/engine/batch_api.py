@@ -14,6 +14,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompts import Prompt, batch_of
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.runtime.model import check_unchanged
 
 
 class BatchAPI:
@@ -21,6 +22,7 @@ class BatchAPI:
         """The batch's requests with their ids, checked and not queued: a bad prompt (or a
         KeyboardInterrupt here) leaves nothing queued. Auto ids skip ids in use."""
         prompts, params = batch_of(prompts, sampling_params)
+        check_unchanged(self.model, self.runner.model)  # ModelChanged; once a batch (~0.4 ms)
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:

@@ -143,6 +143,7 @@ class LLM(BatchAPI):
         input raises ValueError (TypeError for a wrong type) and leaves the engine as it was."""
         with self._lock:
             self._repair()
+            check_unchanged(self.model, self.runner.model)  # ModelChanged; per call, not per step
             text, ids, params = self._checked(prompt, sampling_params)
             if request_id is None:
                 request_id = self._auto_ids(1)[0]
@@ -155,7 +156,6 @@ class LLM(BatchAPI):
     def _checked(self, prompt: Prompt, sampling_params: SamplingParams | None
                  ) -> tuple[str | None, list[int], SamplingParams]:
         """A request's text, token ids and parameters, or the error that refuses it."""
-        check_unchanged(self.model, self.runner.model)  # ModelChanged; per request, not per step
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError("pagedkv.LLM: sampling_params must be a SamplingParams, got "
