@@ -157,6 +157,11 @@ class KVCache:
         K/V were never written)."""
         self.manager.free(seq_id, keep_cached)
 
+    def free_all(self, keep_cached: bool = True) -> None:
+        """free() every sequence the cache holds (a caller starting over)."""
+        for seq_id in self.manager.sequence_ids():
+            self.manager.free(seq_id, keep_cached)
+
     def seq_len(self, seq_id: int) -> int:
         """Tokens of the sequence holding a slot."""
         return self.manager.seq_len(seq_id)

@@ -212,8 +212,7 @@ class Scheduler:
         """Start over (engine/repair.py): nothing runs, `waiting` waits in this order. Every
         sequence the cache holds is freed, its blocks dropped from the prefix cache unless another
         sequence holds them (their K/V may never have been written)."""
-        for seq_id in self.cache.manager.sequence_ids():
-            self.cache.free(seq_id, keep_cached=False)
+        self.cache.free_all(keep_cached=False)
         self.running = []
         self.waiting = collections.deque(waiting)
 

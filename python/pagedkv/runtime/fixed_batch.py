@@ -94,12 +94,12 @@ class FixedBatch:
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
         num_blocks = sum(math.ceil((len(p) + max_new) / BLOCK_SIZE) for p in prompts)
         runner = self._runner_for(num_blocks, len(prompts), sum(map(len, prompts)), longest)
-        _release(runner.cache)  # rows of a call interrupted in its own clean-up
+        runner.cache.free_all()  # rows of a call interrupted in its own clean-up (none kept)
         seq_ids = list(range(len(prompts)))
         try:
             return self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs)
         finally:
-            _release(runner.cache)
+            runner.cache.free_all()  # generate keeps no row between calls
 
     # -- the cache ---------------------------------------------------------------------------
     def _runner_for(self, num_blocks: int, rows: int, prompt_tokens: int, longest: int) -> ModelRunner:
@@ -213,12 +213,6 @@ class FixedBatch:
         state.advance(first, sampler.offsets)
         return _read_back(replay, first, sampler.next_tokens, rows, batch, max_new, settings,
                           streamer, input_ids, self.model.device)
-
-
-def _release(cache: KVCache) -> None:
-    """Free every row the cache holds: generate keeps none between calls."""
-    for seq_id in cache.manager.sequence_ids():
-        cache.free(seq_id)
 
 
 def _read_back(replay, first: torch.Tensor, next_tokens: torch.Tensor, rows: int, batch: int,
