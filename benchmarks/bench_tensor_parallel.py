@@ -5,17 +5,21 @@ order).
 
     python benchmarks/bench_tensor_parallel.py [--gpus N] [--out DIR] [--batches 1,8,32]
                                                [--small] [--no-hf] [--new-tokens N]
+                                               [--all-reduce peer,nccl]
 
 Started plainly, it starts itself again under torchrun with N ranks (default: every visible
 GPU; on a machine without CUDA, 2 ranks over gloo on the CPU, with --small a smoke test). Every
 rank builds the same random model (same seed, checked); rank 0 also times HF eager and pagedkv
-on its GPU alone while the others wait. Per-step time as bench_generate's: (time of 1 + N new
+on its GPU alone while the others wait. --all-reduce times the tensor-parallel run once per
+method of summing the decode steps' partial products (pagedkv.tensor_parallel's all_reduce:
+peer memory fused with the add + RMSNorm, or NCCL), in the same run. Per-step time as bench_generate's: (time of 1 + N new
 tokens - time of 1) / N, prefill excluded.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -54,6 +58,9 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="2 layers of W1's widths (smoke test)")
     parser.add_argument("--no-hf", action="store_true", help="leave HF generate out")
     parser.add_argument("--new-tokens", type=int, default=NEW, help=f"decode steps timed (default {NEW})")
+    parser.add_argument("--all-reduce", default=None,
+                        help="all-reduce methods to time, the first as the headline (default: peer,nccl on "
+                             "several GPUs; nccl, i.e. the process group's own, on the CPU)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
@@ -69,8 +76,15 @@ def main() -> None:
     model = build_model(args.small, device)
     if not same_weights_everywhere(model, device):
         raise SystemExit("bench_tensor_parallel: the ranks built different random weights")
-    pagedkv.tensor_parallel(model, device=torch.device(device, torch.cuda.current_device()) if cuda else "cpu")
+    methods = (args.all_reduce or ("peer,nccl" if cuda and world > 1 else "nccl")).split(",")
+    pagedkv.tensor_parallel(model, device=torch.device(device, torch.cuda.current_device()) if cuda else "cpu",
+                            all_reduce="peer" if "peer" in methods else "nccl")
     sharded = getattr(model, PREPARED_ATTR)
+    peer = sharded.tp.peer
+
+    def use(method: str) -> None:  # the same shard, summed another way (a fresh runner and graphs)
+        sharded.tp = dataclasses.replace(sharded.tp, peer=peer if method == "peer" else None)
+        sharded.fixed_batch = None
 
     def prompt_ids(batch: int) -> torch.Tensor:  # the same prompts for every system and rank
         generator = torch.Generator().manual_seed(batch)
@@ -79,13 +93,18 @@ def main() -> None:
     def run_pagedkv(ids, n):
         return pagedkv.generate(model, ids, max_new_tokens=n, do_sample=False)
 
-    tp_ms, tp_tokens = {}, {}
-    for batch in batches:
-        ids = prompt_ids(batch)
-        tp_ms[batch] = per_step_ms(run_pagedkv, ids, device, new)
-        tp_tokens[batch] = run_pagedkv(ids, new)[:, PROMPT:].cpu()
-        if rank == 0:
-            print(f"batch {batch}: pagedkv on {world} ranks {tp_ms[batch]:.2f} ms/step", flush=True)
+    tp_ms, tp_tokens = {m: {} for m in methods}, {}
+    for method in methods:
+        use(method)
+        for batch in batches:
+            ids = prompt_ids(batch)
+            tp_ms[method][batch] = per_step_ms(run_pagedkv, ids, device, new)
+            if method == methods[0]:
+                tp_tokens[batch] = run_pagedkv(ids, new)[:, PROMPT:].cpu()
+            if rank == 0:
+                print(f"batch {batch}: pagedkv on {world} ranks, {method} all-reduce "
+                      f"{tp_ms[method][batch]:.2f} ms/step", flush=True)
+    best = methods[0]  # the headline column: the first method named
 
     if rank == 0:  # this GPU alone: a runner of the whole model, and HF
         setattr(model, PREPARED_ATTR, PreparedModel.of(model))
@@ -99,7 +118,8 @@ def main() -> None:
             hf_ms = float("nan")
             if not args.no_hf:
                 hf_ms = per_step_ms(lambda i, n: model.generate(i, max_new_tokens=n, do_sample=False), ids, device, new)
-            rows.append([batch, hf_ms, one_ms, tp_ms[batch], one_ms / tp_ms[batch], hf_ms / tp_ms[batch]])
+            tp = [tp_ms[m][batch] for m in methods]
+            rows.append([batch, hf_ms, one_ms, *tp, one_ms / tp_ms[best][batch], hf_ms / tp_ms[best][batch]])
             print(f"batch {batch}: one rank alone {one_ms:.2f} ms/step, HF {hf_ms:.2f}", flush=True)
         setattr(model, PREPARED_ATTR, sharded)
         gpu = torch.cuda.get_device_name() if cuda else "CPU"
@@ -107,12 +127,14 @@ def main() -> None:
                  f"{new} new tokens (bench_tensor_parallel)")
         unit = "GPU" if cuda else "CPU rank"
         ranks = f"{world} {unit}{'s' if world > 1 else ''}"
-        header = ["batch", f"HF eager, 1 {unit}", f"pagedkv, 1 {unit}", f"pagedkv, {ranks} (tensor parallel)",
-                  f"speed-up of {ranks} over 1", "speed-up over HF eager"]
+        header = ["batch", f"HF eager, 1 {unit}", f"pagedkv, 1 {unit}",
+                  *[f"pagedkv, {ranks}, {m} all-reduce" for m in methods],
+                  f"speed-up of {ranks} ({best}) over 1", f"speed-up ({best}) over HF eager"]
         save_table(args.out, "bench_tensor_parallel", title,
                    markdown_table(header, rows) + "\n\n" + "\n".join(f"- {a}" for a in agreement))
         save_bar_plot(args.out, "bench_tensor_parallel", title, [f"batch {b}" for b in batches],
-                      {f"pagedkv, 1 {unit}": [r[2] for r in rows], f"pagedkv, {ranks}": [r[3] for r in rows]},
+                      {f"pagedkv, 1 {unit}": [r[2] for r in rows],
+                       **{f"pagedkv, {ranks}, {m}": [r[3 + i] for r in rows] for i, m in enumerate(methods)}},
                       "ms per decode step")
     dist.barrier()
     dist.destroy_process_group()

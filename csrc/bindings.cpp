@@ -4,14 +4,21 @@
 
 #include "build_info.h"
 #include "cache_bindings.h"
+#include "kernels/peer_buffer_layout.h"
+#ifdef PAGEDKV_WITH_CUDA
+#include "cuda/peer_all_reduce.h"
+#endif
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagedkv C++/CUDA core";
   m.attr("build_info") = PAGEDKV_BUILD_INFO;
 #ifdef PAGEDKV_WITH_CUDA
   m.attr("with_cuda") = true;
+  pagedkv::register_peer_buffer_bindings(m);
 #else
   m.attr("with_cuda") = false;
 #endif
   pagedkv::register_cache_bindings(m);
+  // The bytes before a peer buffer's data areas (flags and epochs): runtime/peer_all_reduce.py.
+  m.attr("peer_buffer_header_bytes") = pagedkv::kernels::PeerBufferLayout::kDataOffset;
 }

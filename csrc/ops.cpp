@@ -8,6 +8,11 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   // residual = input + residual; input = weight * rms_normalize(residual). Both in place.
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
+  // Tensor parallelism: residual += sum over ranks of input (each rank's partial sums, read from
+  // every rank's peer buffer at the addresses peer_buffers[r]); input = weight * rms_normalize(
+  // residual). One launch instead of an all-reduce and a norm (kernels/peer_all_reduce.h).
+  m.def("peer_all_reduce_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon, "
+        "Tensor! buffer, int[] peer_buffers, int rank, int timeout_ms) -> ()");
   // out = x @ weight^T + bias; decode-sized x (<= 8 rows, 16-bit) streams the weight in a kernel
   // of ours at memory bandwidth, anything larger goes to cuBLAS.
   m.def("linear(Tensor! out, Tensor x, Tensor weight, Tensor? bias) -> ()");

@@ -147,3 +147,48 @@ def test_engine_on_one_nccl_rank(tmp_path):
     result = ranks[0]["qwen3"]
     assert result["got"] == result["expected"]
     assert result["preemptions"] > 0
+
+
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 GPUs (device kinds nvidia-h100-x2 / nvidia-h200-x2)")
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.parametrize("all_reduce", ["peer", "nccl"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_two_gpus_give_one_gpus_tokens(tmp_path, graphs, all_reduce):
+    """Two NCCL ranks, fp32: the tokens of pagedkv on one GPU and of HF, with the decode steps'
+    all-reduces over peer memory (fused with the add + RMSNorm) or through NCCL, graphs on/off;
+    sampling agrees across the ranks."""
+    archs = ["qwen3", "llama_bias", "qwen2"]
+    ranks = _spawn(tp_worker.run, 2, tmp_path, archs, str(tmp_path), "nccl", "cuda", torch.float32,
+                   graphs, all_reduce)
+    for arch in archs:
+        first, second = ranks[0][arch], ranks[1][arch]
+        assert torch.equal(first["plain"], first["hf"]), arch
+        assert torch.equal(first["tp"], first["plain"]), arch
+        assert torch.equal(second["tp"], first["tp"]), arch
+        assert torch.equal(second["sampled"], first["sampled"]), arch
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.parametrize("all_reduce", ["peer", "nccl"])
+def test_engine_on_two_gpus(tmp_path, all_reduce):
+    """pagedkv.LLM on two NCCL ranks, fp32, CUDA-graph decode steps: the unsharded engine's tokens
+    through chunked prefills, prefix-cache hits and preemptions."""
+    ranks = _spawn(tp_worker.run_engine, 2, tmp_path, ["qwen3", "llama_bias"], str(tmp_path), "nccl", "cuda",
+                   torch.float32, all_reduce)
+    for arch in ("qwen3", "llama_bias"):
+        first, second = ranks[0][arch], ranks[1][arch]
+        assert first["got"] == first["expected"], arch
+        assert second["got"] == first["got"] and second["sampled"] == first["sampled"], arch
+        assert first["preemptions"] > 0 and first["cached_tokens"] > 0, arch
+
+
+def test_peer_all_reduce_needs_gpus_of_one_host(one_rank_gloo):
+    with pytest.raises(ValueError, match="all_reduce='peer' needs every rank on a GPU of this host"):
+        pagedkv.tensor_parallel(tiny_model("llama"), device="cpu", all_reduce="peer")
+    with pytest.raises(ValueError, match="all_reduce='ring'; allowed: 'auto', 'peer', 'nccl'"):
+        pagedkv.tensor_parallel(tiny_model("llama"), device="cpu", all_reduce="ring")

@@ -1,12 +1,17 @@
 """pagedkv.LLM's batch and streaming calls, generate() and stream(): queue a batch of prompts, all
 or none, and step the engine until every one has finished (a mixin of engine/llm.py's LLM, on its
 _checked, _auto_ids, _new_request, _commit, _step and abort_request). Their steps run every
-request; the finished outputs of requests added by add_request wait for a step() call."""
+request; the finished outputs of requests added by add_request wait for a step() call.
+
+Under tensor parallelism every rank must add the same requests in the same order (a rank that
+ran other requests would wait on the others' collectives forever): add_request and each batch
+check that with one small collective (_agreed) before anything is queued."""
 
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator, Sequence as Seq
+import zlib
+from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import torch
 
@@ -17,18 +22,56 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.runtime.model import check_unchanged
 
 
+# A request checked by LLM._checked: (text or None, prompt token ids, sampling params).
+Checked = tuple[str | None, list[int], SamplingParams]
+
+
+def requests_digest(checked: list[Checked], request_ids: list[str | None], error: Exception | None) -> list[int]:
+    """A few numbers that differ, but for a hash collision, between two calls that add different
+    requests (or that failed their checks differently)."""
+    ids = [c[1] for c in checked]
+    return [len(checked), sum(map(len, ids)), zlib.crc32(repr(ids).encode()),
+            zlib.crc32(repr([c[2] for c in checked]).encode()), zlib.crc32(repr(request_ids).encode()),
+            zlib.crc32(repr(error).encode())]
+
+
 class BatchAPI:
-    def _new_batch(self, prompts, sampling_params) -> list[Request]:
-        """The batch's requests with their ids, checked and not queued: a bad prompt (or a
-        KeyboardInterrupt here) leaves nothing queued. Auto ids skip ids in use."""
-        prompts, params = batch_of(prompts, sampling_params)
-        check_unchanged(self.model, self.runner.model)  # ModelChanged; once a batch (~0.4 ms)
-        checked = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+    def _agreed(self, check: Callable[[], list[Checked]], request_ids: list[str | None]) -> list[Checked]:
+        """check()'s requests; under tensor parallelism only if every rank got the same ones (and
+        request ids; None: automatic), else ValueError on every rank. The collective runs also
+        when a check failed, so that a rank that alone got a bad request does not leave the
+        others waiting: all raise."""
+        checked, error = [], None
+        try:
+            checked = check()
+        except (TypeError, ValueError) as e:
+            error = e
+        if self.tp is not None:
             try:
-                checked.append(self._checked(prompt, p))
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"{error} (prompt {i} of {len(prompts)})") from None
+                self.tp.check_same("requests (prompt token ids, SamplingParams or request ids)",
+                                   requests_digest(checked, request_ids, error), who="pagedkv.LLM")
+            except ValueError as mismatch:
+                raise mismatch from error
+        if error is not None:
+            raise error
+        return checked
+
+    def _new_batch(self, prompts, sampling_params) -> list[Request]:
+        """The batch's requests with their ids, checked (on every rank) and not queued: a bad
+        prompt (or a KeyboardInterrupt here) leaves nothing queued. Auto ids skip ids in use."""
+        check_unchanged(self.model, self.runner.model)  # ModelChanged; once a batch (~0.4 ms)
+
+        def check() -> list[Checked]:
+            batch, params = batch_of(prompts, sampling_params)
+            checked = []
+            for i, (prompt, p) in enumerate(zip(batch, params)):
+                try:
+                    checked.append(self._checked(prompt, p))
+                except (TypeError, ValueError) as error:
+                    raise type(error)(f"{error} (prompt {i} of {len(batch)})") from None
+            return checked
+
+        checked = self._agreed(check, [])
         ids = self._auto_ids(len(checked))
         return [self._new_request(*request, request_id) for request, request_id in zip(checked, ids)]
 

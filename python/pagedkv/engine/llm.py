@@ -140,11 +140,13 @@ class LLM(BatchAPI):
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request (a string, with the tokenizer, or token ids); returns its id. Bad
-        input raises ValueError (TypeError for a wrong type) and leaves the engine as it was."""
+        input raises ValueError (TypeError for a wrong type) and leaves the engine as it was;
+        so do, on every rank, requests that differ between tensor-parallel ranks."""
         with self._lock:
             self._repair()
             check_unchanged(self.model, self.runner.model)  # ModelChanged; per call, not per step
-            text, ids, params = self._checked(prompt, sampling_params)
+            given = None if request_id is None else str(request_id)
+            (text, ids, params), = self._agreed(lambda: [self._checked(prompt, sampling_params)], [given])
             if request_id is None:
                 request_id = self._auto_ids(1)[0]
             elif str(request_id) in self._requests:

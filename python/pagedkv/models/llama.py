@@ -120,6 +120,14 @@ class PagedDecoder:
         # products are partial sums (all-reduced) and the logits one vocabulary slice (gathered).
         self.tp = tp
 
+    def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+        """residual += hidden (summed over the ranks first when hidden is a rank's partial O or
+        down product); hidden = rms_norm(residual) * weight. In place."""
+        if self.tp is None:
+            ops.fused_add_rms_norm(hidden, residual, weight, self.w.eps)
+        else:
+            self.tp.all_reduce_add_rms_norm(hidden, residual, weight, self.w.eps)
+
     def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] -> logits [R, V] for the rows `logits_rows` [R] of the T tokens (all
@@ -133,8 +141,6 @@ class PagedDecoder:
         residual = F.embedding(input_ids, w.embed)  # [T, D]
         hidden = ops.rms_norm(residual, w.layers[0].input_norm, w.eps)
         for i, layer in enumerate(w.layers):
-            if i > 0:
-                ops.fused_add_rms_norm(hidden, residual, layer.input_norm, w.eps)
             qkv = ops.linear(hidden, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
             q = qkv[:, :q_size].view(num_tokens, w.num_heads, w.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, w.num_kv_heads, w.head_dim)
@@ -147,14 +153,11 @@ class PagedDecoder:
             attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale,
                                    workspace)  # [T, Hq, Dh]
             hidden = ops.linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias)
-            if self.tp is not None:
-                self.tp.all_reduce_(hidden)
-            ops.fused_add_rms_norm(hidden, residual, layer.post_norm, w.eps)
+            self._add_norm(hidden, residual, layer.post_norm)
             act = ops.gate_up_silu(hidden, layer.gate_up)  # [T, I]
             hidden = ops.linear(act, layer.down)
-            if self.tp is not None:
-                self.tp.all_reduce_(hidden)
-        ops.fused_add_rms_norm(hidden, residual, w.final_norm, w.eps)
+            after = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
+            self._add_norm(hidden, residual, after)
         if logits_rows is not None:
             hidden = hidden[logits_rows]
         logits = ops.linear(hidden, w.lm_head)

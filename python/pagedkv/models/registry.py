@@ -13,14 +13,17 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # and "longrope" change with the running sequence length, which a precomputed table cannot follow.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # what the attention kernels are instantiated for
+PREPARED_ATTR = "_pagedkv_model"  # the attribute of the HF model that holds its PreparedModel (runtime/model.py)
 
 
 class UnsupportedModel(ValueError):
     """The model (architecture, attention variant, dtype, placement) is not one pagedkv runs."""
 
 
-def unsupported_reason(model) -> str | None:
-    """None if pagedkv can run `model`, else a sentence saying what is not supported."""
+def unsupported_reason(model, placement: bool = True) -> str | None:
+    """None if pagedkv can run `model`, else a sentence saying what is not supported.
+    placement=False leaves out where the parameters are (a skeleton on the meta device whose
+    shards are read from a checkpoint, models/checkpoint_shards.py)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -52,11 +55,18 @@ def unsupported_reason(model) -> str | None:
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
         return (f"parameter dtypes {sorted(map(str, dtypes))} are not supported; supported: one of "
                 f"{', '.join(map(str, SUPPORTED_DTYPES))} for all parameters (quantized models are not)")
+    if not placement:
+        return None
     devices = {p.device for p in params}
     if len(devices) != 1:
         return f"the model is spread over {sorted(map(str, devices))}; pagedkv needs it on one device"
     device = next(iter(devices))
-    if device.type not in ("cpu", "cuda"):
+    if device.type == "meta":
+        # Runs only as the skeleton of a tensor-parallel shard pagedkv read from a checkpoint.
+        if getattr(getattr(model, PREPARED_ATTR, None), "tp", None) is None:
+            return ("the model is on the meta device: it holds no weights (load them, or read a "
+                    "checkpoint's shards with pagedkv.tensor_parallel_from_pretrained)")
+    elif device.type not in ("cpu", "cuda"):
         return f"device {device} is not supported; supported: cpu, cuda"
     return None
 
@@ -99,8 +109,8 @@ def supports(model) -> bool:
     return unsupported_reason(model) is None
 
 
-def check_supported(model) -> None:
-    reason = unsupported_reason(model)
+def check_supported(model, placement: bool = True) -> None:
+    reason = unsupported_reason(model, placement)
     if reason is not None:
         raise UnsupportedModel(f"pagedkv cannot run {type(model).__name__}: {reason}")
 

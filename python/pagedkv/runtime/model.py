@@ -9,6 +9,11 @@ share one copy of the weights; each of them binds its own KV cache to it (runtim
     out = pagedkv.generate(model, input_ids.to(f"cuda:{local_rank}"), max_new_tokens=64)
     llm = pagedkv.LLM(model, ...)                          # or serve many requests
 
+A model too large to load whole is sharded from its checkpoint instead: each rank reads only its
+part of the safetensors files (models/checkpoint_shards.py) beside an empty HF skeleton:
+
+    model = pagedkv.tensor_parallel_from_pretrained(folder, dtype=torch.bfloat16)
+
 Under tensor parallelism every rank makes the same calls with the same arguments and gets the
 same tokens back. Megatron's split (models/sharding.py) costs each layer two all-reduces and no
 other exchange; each rank's KV cache holds its own kv heads only; the LM head's logits are
@@ -36,12 +41,14 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.layers.rotary import build_cos_sin_cache
+from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read_shard
 from pagedkv.models.llama import DecoderWeights, extract_weights
-from pagedkv.models.registry import check_supported
+# PREPARED_ATTR: the attribute of the HF model that holds its PreparedModel (in the registry: its
+# support check lets a skeleton on meta run only with a shard).
+from pagedkv.models.registry import PREPARED_ATTR, check_supported
 from pagedkv.models.sharding import shard_weights
 from pagedkv.runtime.parallel import TensorParallel
-
-PREPARED_ATTR = "_pagedkv_model"  # the attribute of the HF model that holds its PreparedModel
+from pagedkv.runtime.peer_all_reduce import PeerAllReduce
 
 
 class ModelChanged(RuntimeError):
@@ -121,19 +128,24 @@ class PreparedModel:
     fingerprint: tuple = ()  # the model's, once the weights were taken (see fingerprint())
 
     @classmethod
-    def of(cls, model, tp: TensorParallel | None = None) -> PreparedModel:
-        check_supported(model)
+    def of(cls, model, tp: TensorParallel | None = None, reader: TensorReader | None = None) -> PreparedModel:
+        """reader (with tp): this rank's shard is read through it; `model` is a skeleton on meta."""
+        check_supported(model, placement=reader is None)
         # Not in inference mode (generate() runs in it): HF's parameters become views of the
         # fused tensors, and views of inference tensors could never be trained again.
         with torch.inference_mode(False), torch.no_grad():
             param = next(model.parameters())
             device = param.device if tp is None else tp.device
-            weights = extract_weights(model)
-            if tp is not None:
-                weights = shard_weights(weights, tp.rank, tp.world_size, tp.device)
+            if reader is not None:
+                weights = read_shard(model, reader, tp.rank, tp.world_size, tp.device, param.dtype)
+            else:
+                weights = extract_weights(model)
+                if tp is not None:
+                    weights = shard_weights(weights, tp.rank, tp.world_size, tp.device)
             max_positions = int(model.config.max_position_embeddings)
+            # A skeleton's rotary module is on meta too: a fresh one from the config then.
             cos_sin = build_cos_sin_cache(model.config, max_positions, device,
-                                          rotary_emb=model.model.rotary_emb)
+                                          rotary_emb=None if param.is_meta else model.model.rotary_emb)
         return cls(weights, cos_sin, device, param.dtype, max_positions, tp,
                    fingerprint=fingerprint(model, versions=tp is not None))
 
@@ -201,15 +213,25 @@ def _default_device(world_rank: int) -> torch.device:
 
 
 def tensor_parallel(model, group: dist.ProcessGroup | None = None,
-                    device: torch.device | str | None = None):
+                    device: torch.device | str | None = None, all_reduce: str = "auto",
+                    reader: TensorReader | None = None):
     """Shard `model` over the ranks of `group` (default: the whole world) for pagedkv.generate
     and pagedkv.LLM.
 
     Every rank calls this, then generate() (input_ids on `device`) or an LLM's methods with the
     same arguments; every rank returns the same tokens. `model` may stay where it was loaded (the CPU, typically): this
     rank's shard is copied to `device` (default cuda:LOCAL_RANK, or the CPU without CUDA). Needs
-    torch.distributed initialised. Returns the model."""
-    check_supported(model)
+    torch.distributed initialised. Returns the model.
+
+    all_reduce: how decode steps sum the ranks' partial products. "auto" (default): over peer
+    memory (one launch with the add + RMSNorm after it) when every rank is a GPU of this host
+    that can address the others, else NCCL; "peer" insists (raises where it cannot); "nccl"
+    always NCCL. Prefill chunks and batches over peer_all_reduce.MAX_BYTES use NCCL either way.
+
+    reader: read this rank's shard through it (models/checkpoint_shards.py) instead of taking it
+    from the model, then an empty skeleton on the meta device (checkpoint_shards.empty_model):
+    what tensor_parallel_from_pretrained does with a checkpoint, a benchmark with random values."""
+    check_supported(model, placement=reader is None)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("pagedkv.tensor_parallel: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group first (e.g. run under torchrun)")
@@ -225,9 +247,44 @@ def tensor_parallel(model, group: dist.ProcessGroup | None = None,
         raise ValueError("pagedkv.tensor_parallel: pagedkv already runs this model (a generate() "
                          "call, an LLM or an earlier tensor_parallel took its weights); shard a "
                          "freshly loaded model instead")
+    if all_reduce not in ("auto", "peer", "nccl"):
+        raise ValueError(f"pagedkv.tensor_parallel: all_reduce={all_reduce!r}; allowed: 'auto', 'peer', 'nccl'")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds each rank to the current device
+    peer = None
+    if device.type == "cuda" and all_reduce != "nccl" and dist.get_world_size(group) > 1:
+        peer = PeerAllReduce.connect(group, device)
+    if all_reduce == "peer" and peer is None:
+        raise ValueError("pagedkv.tensor_parallel: all_reduce='peer' needs every rank on a GPU of "
+                         "this host that can address every other rank's memory (CUDA peer access)")
     tp = TensorParallel(rank=dist.get_rank(group), world_size=dist.get_world_size(group),
-                        device=device, group=group)
-    setattr(model, PREPARED_ATTR, PreparedModel.of(model, tp))
+                        device=device, group=group, peer=peer)
+    setattr(model, PREPARED_ATTR, PreparedModel.of(model, tp, reader))
+    if reader is not None:
+        model.register_forward_pre_hook(_skeleton_forward)
     return model
+
+
+def tensor_parallel_from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+                                    group: dist.ProcessGroup | None = None,
+                                    device: torch.device | str | None = None, **options):
+    """pagedkv.tensor_parallel of a checkpoint never loaded whole: each rank reads only its shard
+    of the safetensors files in `path` (a local folder save_pretrained wrote: config.json, and
+    model.safetensors or model.safetensors.index.json with its files), cast to `dtype`, onto
+    `device` (default cuda:LOCAL_RANK, or the CPU without CUDA); `options` as tensor_parallel's.
+    Every rank calls it; then generate() and LLM run as after tensor_parallel.
+
+    Returns the HF model as an empty skeleton on the meta device (its config, generation config
+    and names): HF's own forward and generate cannot run on it and say so; pagedkv.patch(model)
+    makes model.generate run pagedkv. Raises ValueError for a path that is not a local folder,
+    FileNotFoundError naming a missing file, ValueError naming a missing or misshapen tensor,
+    UnsupportedModel for a model pagedkv does not run or sizes that do not split over the ranks."""
+    model, reader = open_checkpoint(path, dtype)
+    return tensor_parallel(model, group, device, reader=reader, **options)
+
+
+def _skeleton_forward(module, args):
+    raise RuntimeError(f"{type(module).__name__}'s HF modules are empty (meta): its weights are this rank's shard, "
+                       "held by pagedkv (tensor_parallel_from_pretrained), so HF's forward and generate cannot "
+                       "run; use pagedkv.generate(model, ...), pagedkv.patch(model) (model.generate then runs "
+                       "pagedkv) or pagedkv.LLM(model)")

@@ -28,6 +28,7 @@ from pagedkv.layers.attention import ForwardMetadata
 from pagedkv.models.llama import PagedDecoder
 from pagedkv.runtime.graphs import CudaGraphs
 from pagedkv.runtime.model import PreparedModel
+from pagedkv.runtime.parallel import graphs_hold_collectives
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -106,6 +107,8 @@ class ModelRunner:
                                     tp=model.tp)
         self.use_cuda_graphs = use_cuda_graphs  # for run()'s decode steps
         self.graphs = CudaGraphs() if model.device.type == "cuda" else None
+        if self.graphs is not None and model.tp is not None:
+            graphs_hold_collectives(self.graphs)  # dropped before the process group goes
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Logits [R, V] of the rows step.logits_rows (R = len(logits_rows); all T tokens when
