@@ -1,6 +1,7 @@
-"""A Llama-3-70B-shaped model (bf16, 141 GB: more than one H200 holds) over several GPUs of one
-host: pagedkv.tensor_parallel against HF eager with device_map="auto" over the same GPUs, in the
-same run. ms per decode step, tokens/s, speed-up, and % of the roofline.
+"""A Llama-3-70B-shaped model (bf16, 141 GB = 131 GiB: more than an H100's 80 GB, a tight fit in
+one H200's 150 GB with little room for a KV cache) over several GPUs of one host:
+pagedkv.tensor_parallel against HF eager with device_map="auto" over the same GPUs, in the same
+run. ms per decode step, tokens/s, speed-up, and % of the roofline.
 
     python benchmarks/bench_tensor_parallel_70b.py [--gpus N] [--layers L] [--batches 1,8]
                                                    [--new-tokens 32] [--hf-new-tokens 16]
@@ -11,9 +12,9 @@ without CUDA, 2 ranks over gloo on the CPU: with --layers 2 a smoke test of the 
 is no checkpoint: each rank reads its shard through a reader of random values drawn on its own
 GPU (N(0, 0.02), norms 1), the path a checkpoint's shards take (pagedkv.tensor_parallel with a
 reader, as tensor_parallel_from_pretrained), so no process ever holds the whole model. Then
-every rank frees its shard and rank 0 alone builds HF's model on the meta device, places it with
-accelerate's infer_auto_device_map over the same GPUs, draws each parameter on its GPU and times
-model.generate; the other ranks wait at a barrier (the process group's timeout is 30 minutes).
+every rank frees its shard and rank 0 alone builds HF's model on the meta device, places it as
+from_pretrained(device_map="auto") does (balanced over the same GPUs), draws each parameter on
+its GPU and times model.generate; the other ranks wait at a barrier (the process group's timeout is 30 minutes).
 
 Per-step time as bench_generate's: (time of 1 + N new tokens - time of 1) / N, prefill excluded.
 Roofline: the bytes a decode step must read on one GPU (the rank's weights but the embedding, of
@@ -102,7 +103,7 @@ def hf_dispatched(config, gpus: int):
     """HF's model over the first `gpus` GPUs (the CPU without CUDA) by accelerate's
     infer_auto_device_map, each parameter drawn at random on its device."""
     from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
+    from accelerate.utils import get_balanced_memory, set_module_tensor_to_device
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
@@ -111,6 +112,11 @@ def hf_dispatched(config, gpus: int):
         max_memory = {i: torch.cuda.mem_get_info(i)[0] - (6 << 30) for i in range(gpus)}
     else:
         max_memory = {"cpu": 1 << 50}
+    # As from_pretrained(device_map="auto") places it: balanced over the GPUs (accelerate's plain
+    # infer_auto_device_map fills the first GPU first, and 141 GB fit one H200's 150).
+    if torch.cuda.is_available():
+        max_memory = get_balanced_memory(model, max_memory=max_memory, dtype=DTYPE,
+                                         no_split_module_classes=model._no_split_modules)
     device_map = infer_auto_device_map(model, max_memory=max_memory, dtype=DTYPE,
                                        no_split_module_classes=model._no_split_modules)
     elsewhere = sorted({str(d) for d in device_map.values()} - {str(d) for d in max_memory})

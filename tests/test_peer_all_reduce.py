@@ -119,3 +119,19 @@ def test_a_missing_rank_is_an_error_not_a_hang():
     with pytest.raises(RuntimeError, match="all-reduce of rank 0 waited over 50 ms for rank 1: the "
                                            "tensor-parallel ranks are out of step"):
         ranks[0].add_rms_norm(x, torch.randn_like(x), torch.ones(64), EPS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_with_the_empty_markers_bits_is_sent_as_nan(device, dtype):
+    """A slot element is ready when it stops holding the empty marker (every bit set, a NaN):
+    a partial sum with exactly those bits must still arrive (as another NaN), not wait forever."""
+    ranks = PeerAllReduce.in_process(2, torch.device(device), data_bytes=4096, timeout_ms=5000)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    inputs = [torch.randn(2, 64, dtype=dtype, device=device) for _ in range(2)]
+    inputs[1].view(bits)[0, 5] = -1  # all bits set
+    residuals = [torch.zeros(2, 64, dtype=dtype, device=device) for _ in range(2)]
+    weight = torch.ones(64, dtype=dtype, device=device)
+    run_ranks(ranks, inputs, residuals, weight)
+    for r in range(2):
+        assert residuals[r][0, 5].isnan() and not residuals[r][1].isnan().any()

@@ -192,3 +192,23 @@ def test_peer_all_reduce_needs_gpus_of_one_host(one_rank_gloo):
         pagedkv.tensor_parallel(tiny_model("llama"), device="cpu", all_reduce="peer")
     with pytest.raises(ValueError, match="all_reduce='ring'; allowed: 'auto', 'peer', 'nccl'"):
         pagedkv.tensor_parallel(tiny_model("llama"), device="cpu", all_reduce="ring")
+
+
+def test_graphs_with_collectives_are_dropped_before_the_process_group(tmp_path):
+    """CUDA graphs that captured NCCL calls make destroy_process_group (and the interpreter's
+    exit) wait forever (pytorch/pytorch#115388; lab/tp_exit_probe.py on 2 GPUs): pagedkv's wrapper
+    drops every registered graph set first."""
+    from pagedkv.runtime.parallel import graphs_hold_collectives
+
+    class Graphs:  # stands in for runtime.graphs.CudaGraphs (which needs CUDA)
+        cleared_while_group_alive = None
+
+        def clear(self):
+            self.cleared_while_group_alive = dist.is_initialized()
+
+    graphs = Graphs()
+    graphs_hold_collectives(graphs)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    dist.destroy_process_group()
+    assert graphs.cleared_while_group_alive is True
+    assert dist.destroy_process_group.pagedkv_original is not dist.destroy_process_group

@@ -8,6 +8,7 @@
 #include "cuda/peer_all_reduce.h"
 #include "cuda/torch_utils.h"
 #include "kernels/peer_all_reduce.h"
+#include "kernels/peer_buffer_layout.h"
 #include "peer_all_reduce_checks.h"
 
 namespace pagedkv {
@@ -35,13 +36,17 @@ TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
 
 namespace {
 
-// A zeroed buffer of `nbytes` on `device` that other processes can open, and its IPC handle.
+// A fresh peer buffer of `nbytes` on `device` that other processes can open, and its IPC handle.
 pybind11::tuple peer_buffer(int64_t nbytes, int64_t device) {
   TORCH_CHECK(nbytes > 0, "pagedkv: peer_buffer needs nbytes > 0, got ", nbytes);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   void* ptr = nullptr;
   C10_CUDA_CHECK(cudaMalloc(&ptr, static_cast<size_t>(nbytes)));  // its own allocation: exportable
-  C10_CUDA_CHECK(cudaMemset(ptr, 0, static_cast<size_t>(nbytes)));
+  // Epochs zeroed, slots empty (kernels/peer_buffer_layout.h).
+  const size_t header = kernels::PeerBufferLayout::kDataOffset;
+  TORCH_CHECK(static_cast<size_t>(nbytes) > header, "pagedkv: a peer buffer needs more than ", header, " bytes");
+  C10_CUDA_CHECK(cudaMemset(ptr, 0, header));
+  C10_CUDA_CHECK(cudaMemset(static_cast<char*>(ptr) + header, kernels::kPeerEmptyByte, nbytes - header));
   cudaIpcMemHandle_t handle;
   C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, ptr));
   C10_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can see it
@@ -67,7 +72,7 @@ at::Tensor open_peer_buffer(const pybind11::bytes& handle_bytes, int64_t nbytes,
 }  // namespace
 
 void register_peer_buffer_bindings(pybind11::module_& m) {
-  m.def("peer_buffer", &peer_buffer, "A zeroed CUDA buffer other processes can open: (tensor, IPC handle)");
+  m.def("peer_buffer", &peer_buffer, "A fresh peer buffer other processes can open: (tensor, IPC handle)");
   m.def("open_peer_buffer", &open_peer_buffer, "A peer's buffer, opened from its IPC handle");
 }
 

@@ -1,33 +1,26 @@
 // All-reduce over peer memory + residual add + RMSNorm, one launch (see peer_all_reduce.h).
 //
 // Every launch has kPeerBlocks blocks; block b of every rank handles rows b, b + kPeerBlocks, ...
-// and synchronises only with block b of the other ranks:
-//   1. block b copies this rank's rows into its own buffer's data area (epoch parity);
-//   2. thread p announces the epoch in rank p's flags (release, system scope) and waits until
-//      rank p's block b announced it here (acquire);
-//   3. the block sums every rank's copy of its rows in rank order (fp32, so each rank computes
-//      the same bits), rounds the sum to T, adds the residual, and normalises the row.
-// Why parity is enough: a rank enters launch k + 2, which reuses launch k's data area, only
-// after its launch k + 1 completed, and that needed every peer's launch k + 1 to start, which
-// (stream order) comes after the peer's launch k finished reading.
+//   1. each thread writes its 16-byte pieces of this rank's rows into slot [epoch % 2][rank] of
+//      every peer's buffer (remote stores over NVLink, nothing waited for);
+//   2. it reads the same pieces of every other rank from its own buffer's slots, spinning until
+//      no element holds the empty marker (kPeerEmptyByte), and empties them again;
+//   3. the block sums every rank's piece in rank order (fp32, so every rank computes the same
+//      bits), rounds the sum to T, adds the residual, and normalises the row.
+// No flag and no fence: the data is its own signal (each element is written once per epoch, and
+// an element is either the marker or the value). Two slots alternate by epoch: a rank finishes
+// epoch e only with every peer's epoch-e data, so no peer runs more than one epoch ahead, and a
+// slot is emptied by its reader before its writer can reach it again two epochs later.
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 #include "kernels/common.cuh"
+#include "kernels/rms_norm.cuh"
 #include "kernels/peer_all_reduce.h"
 
 namespace pagedkv::kernels {
 namespace {
-
-__device__ __forceinline__ void store_release_system(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint32_t load_acquire_system(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
@@ -35,7 +28,35 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// input, residual [rows, hidden]; weight [hidden]; buffers: every rank's buffer (layout in the .h).
+__device__ __forceinline__ uint4 load_volatile(const uint4* p) {  // sees peers' stores: no L1
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// Whether a 32-bit word holds an element that is still the empty marker (all bits set).
+template <int kBytes>
+__device__ __forceinline__ bool has_marker(uint32_t w) {
+  if constexpr (kBytes == 4) return w == 0xffffffffu;
+  return (w & 0xffffu) == 0xffffu || (w >> 16) == 0xffffu;
+}
+
+// The word with any element equal to the marker replaced by another NaN (0x7fff / 0x7fffffff).
+template <int kBytes>
+__device__ __forceinline__ uint32_t without_marker(uint32_t w) {
+  if constexpr (kBytes == 4) return w == 0xffffffffu ? 0x7fffffffu : w;
+  if ((w & 0xffffu) == 0xffffu) w = (w & 0xffff0000u) | 0x7fffu;
+  if ((w >> 16) == 0xffffu) w = (w & 0xffffu) | 0x7fff0000u;
+  return w;
+}
+
+__device__ __forceinline__ bool ready(const uint4& v, auto has) {
+  return !(has(v.x) || has(v.y) || has(v.z) || has(v.w));
+}
+
+// input, residual [rows, hidden]; weight [hidden]; buffers: every rank's buffer (layout in
+// peer_buffer_layout.h).
 template <typename T>
 __global__ void __launch_bounds__(1024)
 peer_all_reduce_add_rms_norm_kernel(T* input, T* residual, const T* __restrict__ weight,
@@ -43,6 +64,7 @@ peer_all_reduce_add_rms_norm_kernel(T* input, T* residual, const T* __restrict__
                                     int rank, int world_size, size_t data_bytes,
                                     uint64_t timeout_ns) {
   constexpr int kVec = 16 / sizeof(T);
+  constexpr int kBytes = sizeof(T);
   using V = Vec<T, kVec>;
   const int block = blockIdx.x;
   const int num_vecs = hidden / kVec;
@@ -56,37 +78,23 @@ peer_all_reduce_add_rms_norm_kernel(T* input, T* residual, const T* __restrict__
   }
   __syncthreads();
   const uint32_t epoch = epoch_shared;
-  const size_t area = PeerBufferLayout::kDataOffset + (epoch & 1u) * data_bytes;
+  const uint4* in = reinterpret_cast<const uint4*>(input);
 
-  // 1. This rank's rows of this block, into its own buffer.
-  V* own_rows = reinterpret_cast<V*>(mine + area);
-  const V* in = reinterpret_cast<const V*>(input);
+  // 1. This rank's pieces into every peer's slot for this rank.
+  const size_t sent = PeerBufferLayout::slot(epoch, rank, data_bytes, world_size);
   for (int64_t r = block; r < rows; r += gridDim.x) {
-    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) own_rows[r * num_vecs + i] = in[r * num_vecs + i];
-  }
-  __syncthreads();
-
-  // 2. Tell every rank this block's rows are there; wait until every rank's are.
-  if (threadIdx.x < world_size) {
-    const int peer = threadIdx.x;
-    __threadfence_system();  // the block's copies (ordered before this by the barrier) go first
-    uint32_t* their_flags = reinterpret_cast<uint32_t*>(buffers.base[peer] + PeerBufferLayout::kFlagsOffset);
-    store_release_system(their_flags + block * kPeerMaxRanks + rank, epoch);
-    const uint32_t* own_flags = reinterpret_cast<const uint32_t*>(mine + PeerBufferLayout::kFlagsOffset);
-    const uint32_t* flag = own_flags + block * kPeerMaxRanks + peer;
-    const uint64_t start = global_timer_ns();
-    for (uint32_t spins = 1; static_cast<int32_t>(load_acquire_system(flag) - epoch) < 0; ++spins) {
-      if (spins % 1024 == 0 && global_timer_ns() - start > timeout_ns) {
-        printf("pagedkv all-reduce: rank %d waited over %llu ms for rank %d (block %d, epoch %u): "
-               "the tensor-parallel ranks are out of step (a rank skipped or added a step)\n",
-               rank, static_cast<unsigned long long>(timeout_ns / 1000000), peer, block, epoch);
-        __trap();
+    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+      uint4 v = in[r * num_vecs + i];
+      v = make_uint4(without_marker<kBytes>(v.x), without_marker<kBytes>(v.y),
+                     without_marker<kBytes>(v.z), without_marker<kBytes>(v.w));
+      for (int p = 0; p < world_size; ++p) {
+        if (p != rank) reinterpret_cast<uint4*>(buffers.base[p] + sent)[r * num_vecs + i] = v;
       }
     }
   }
-  __syncthreads();
 
-  // 3. Sum in rank order, add the residual, normalise.
+  // 2 + 3. Every rank's pieces (this rank's own from input), summed in rank order; add, normalise.
+  const auto has = [](uint32_t w) { return has_marker<kBytes>(w); };
   const V* w = reinterpret_cast<const V*>(weight);
   for (int64_t r = block; r < rows; r += gridDim.x) {
     V* res_row = reinterpret_cast<V*>(residual) + r * num_vecs;
@@ -95,9 +103,26 @@ peer_all_reduce_add_rms_norm_kernel(T* input, T* residual, const T* __restrict__
       float acc[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
-      for (int p = 0; p < world_size; ++p) {
-        // L2 only: a peer's row at this address may have been read into L1 two launches ago.
-        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(buffers.base[p] + area) + r * num_vecs + i);
+      for (int s = 0; s < world_size; ++s) {
+        uint4 raw;
+        if (s == rank) {
+          raw = in[r * num_vecs + i];
+        } else {
+          uint4* piece = reinterpret_cast<uint4*>(mine + PeerBufferLayout::slot(epoch, s, data_bytes, world_size)) +
+                         r * num_vecs + i;
+          const uint64_t start = global_timer_ns();
+          raw = load_volatile(piece);
+          for (uint32_t spins = 1; !ready(raw, has); ++spins) {
+            if (spins % 1024 == 0 && global_timer_ns() - start > timeout_ns) {
+              printf("pagedkv all-reduce: rank %d waited over %llu ms for rank %d (block %d, epoch %u): "
+                     "the tensor-parallel ranks are out of step (a rank skipped or added a step)\n",
+                     rank, static_cast<unsigned long long>(timeout_ns / 1000000), s, block, epoch);
+              __trap();
+            }
+            raw = load_volatile(piece);
+          }
+          *piece = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);  // empty again
+        }
         V x;
         *reinterpret_cast<uint4*>(&x) = raw;
 #pragma unroll
@@ -114,18 +139,8 @@ peer_all_reduce_add_rms_norm_kernel(T* input, T* residual, const T* __restrict__
       res_row[i] = res;
     }
     const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + epsilon);
-    V* out_row = reinterpret_cast<V*>(input) + r * num_vecs;
-    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {  // re-reads its own writes only
-      const V x = res_row[i];
-      const V g = w[i];
-      V y;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const T normed = from_float<T>(to_float(x.v[j]) * inv_rms);
-        y.v[j] = from_float<T>(to_float(g.v[j]) * to_float(normed));
-      }
-      out_row[i] = y;
-    }
+    // Each thread re-reads only the residual pieces it wrote above.
+    write_normalized_row<T, kVec>(reinterpret_cast<V*>(input) + r * num_vecs, res_row, w, num_vecs, inv_rms);
   }
 }
 

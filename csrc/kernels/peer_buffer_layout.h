@@ -11,18 +11,26 @@ constexpr int kPeerMaxRanks = 8;
 // Every launch has this many thread blocks, whatever its rows: block b's epoch counter advances
 // once per launch on every rank, so the ranks' counters stay equal (see the .cu).
 constexpr int kPeerBlocks = 32;
+// What an empty element of a data slot holds: every byte 0xff, a NaN in float32, float16 and
+// bfloat16 alike. A writer sends this one NaN as another NaN, so a slot element is ready exactly
+// when it no longer holds the marker: no separate flag, no fence, one one-way trip over NVLink.
+constexpr unsigned char kPeerEmptyByte = 0xff;
 
-// One rank's buffer: [flags | epochs | data area 0 | data area 1].
-//   flags [kPeerBlocks][kPeerMaxRanks] uint32: flags[b][p] is the last epoch rank p's block b
-//       announced to this rank (peers write it).
-//   epochs [kPeerBlocks] uint32: this rank's launches per block (only this rank touches it).
-//   data areas: the rows this rank contributes, alternating by epoch parity, so a rank that runs
-//       one all-reduce ahead never overwrites what a slower peer is still reading.
+// One rank's buffer: [epochs | slots].
+//   epochs [kPeerBlocks] uint32, zeroed: this rank's launches per block (only this rank touches it).
+//   slots [2][world_size][data_bytes], every byte kPeerEmptyByte at first: slots[e % 2][s] holds
+//       what rank s sent this rank at epoch e (rank s writes it; this rank reads and empties it).
+//       Two epochs alternate: a rank can be at most one epoch ahead of a peer (it needs the
+//       peer's data of its current epoch to finish it).
 struct PeerBufferLayout {
-  static constexpr size_t kFlagsOffset = 0;
-  static constexpr size_t kEpochsOffset = sizeof(uint32_t) * kPeerBlocks * kPeerMaxRanks;
-  static constexpr size_t kDataOffset = 4096;  // 16-byte aligned, after flags + epochs
-  static constexpr size_t bytes(size_t data_bytes) { return kDataOffset + 2 * data_bytes; }
+  static constexpr size_t kEpochsOffset = 0;
+  static constexpr size_t kDataOffset = 4096;  // 16-byte aligned, after the epochs
+  static constexpr size_t bytes(size_t data_bytes, int world_size) {
+    return kDataOffset + 2 * static_cast<size_t>(world_size) * data_bytes;
+  }
+  static constexpr size_t slot(uint32_t epoch, int source, size_t data_bytes, int world_size) {
+    return kDataOffset + ((epoch & 1u) * static_cast<size_t>(world_size) + source) * data_bytes;
+  }
 };
 
 }  // namespace pagedkv::kernels

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/rms_norm.cuh"
 #include "kernels/rms_norm.h"
 
 namespace pagedkv::kernels {
@@ -41,19 +42,8 @@ __global__ void rms_norm_kernel(T* out, T* residual, const T* input,
 
   // Each thread re-reads exactly the elements it wrote above, so no barrier is needed.
   const V* src_row = kAddResidual ? res_row : in_row;
-  const V* w = reinterpret_cast<const V*>(weight);
-  V* out_row = reinterpret_cast<V*>(out + row_offset);
-  for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
-    const V x = src_row[i];
-    const V g = w[i];
-    V y;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const T normed = from_float<T>(to_float(x.v[j]) * inv_rms);
-      y.v[j] = from_float<T>(to_float(g.v[j]) * to_float(normed));
-    }
-    out_row[i] = y;
-  }
+  write_normalized_row<T, kVec>(reinterpret_cast<V*>(out + row_offset), src_row,
+                                reinterpret_cast<const V*>(weight), num_vecs, inv_rms);
 }
 
 template <bool kAddResidual>

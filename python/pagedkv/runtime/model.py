@@ -226,7 +226,8 @@ def tensor_parallel(model, group: dist.ProcessGroup | None = None,
     all_reduce: how decode steps sum the ranks' partial products. "auto" (default): over peer
     memory (one launch with the add + RMSNorm after it) when every rank is a GPU of this host
     that can address the others, else NCCL; "peer" insists (raises where it cannot); "nccl"
-    always NCCL. Prefill chunks and batches over peer_all_reduce.MAX_BYTES use NCCL either way.
+    always NCCL. Prefill chunks and batches of more than
+    peer_all_reduce.MAX_BYTES_OVER_RANKS / world_size bytes use NCCL either way.
 
     reader: read this rank's shard through it (models/checkpoint_shards.py) instead of taking it
     from the model, then an empty skeleton on the meta device (checkpoint_shards.empty_model):
