@@ -3,6 +3,8 @@
 # for the device tool to carry (it takes at most 64 MiB a call, working tree included):
 #   .whl/nb/    nbconvert, ipykernel and their dependencies (examples/compare.ipynb on the GPU)
 #   .whl/deps/  gguf (the default model), and FlashInfer's small dependencies
+#   .whl/build/ scikit-build-core >= 0.11 and its dependencies (pyproject.toml needs it: PEP 639
+#               license fields), in case a machine's image holds an older one
 #   .whl/fi/    flashinfer-python (W3's FlashInfer column): its 62 MB wheel unpacked and packed again
 #               as flashinfer.tar.xz (~18 MB; the wheel's deflate leaves its sources 3.5x larger
 #               than xz does), so one call carries it with everything else
@@ -19,9 +21,10 @@ download() {  # download DIR [pip args...]
     --platform manylinux_2_28_x86_64 --platform any -d "$dir" "$@"
 }
 download .whl/nb nbconvert ipykernel nbclient
+download .whl/build "scikit-build-core>=0.11"
 download .whl/deps --no-deps gguf "apache-tvm-ffi<0.2,>=0.1.11" einops tabulate nvidia-ml-py
 rm -rf .whl/fi_download .whl/fi && download .whl/fi_download --no-deps "flashinfer-python==0.7.2.post1"
 mkdir -p .whl/fi .whl/fi_download/unpacked
 (cd .whl/fi_download/unpacked && "$PY" -m zipfile -e ../*.whl . && tar -cf - . | xz -T0 -6 > ../../fi/flashinfer.tar.xz)
 rm -rf .whl/fi_download
-du -sh .whl/nb .whl/deps .whl/fi
+du -sh .whl/nb .whl/deps .whl/build .whl/fi

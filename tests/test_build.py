@@ -32,3 +32,18 @@ def test_failed_load_says_where_it_looked_and_how_to_rebuild(monkeypatch):
     message = str(err.value)
     assert "Looked in" in message and "pagedkv" in message
     assert "pip install --no-build-isolation -e ." in message
+
+
+def test_build_records_the_torch_it_was_built_for():
+    assert _ext.built_for_torch() == str(torch.__version__)
+    assert f"torch {torch.__version__}" in pagedkv.build_info
+
+
+def test_another_torch_is_refused_with_both_versions_and_the_rebuild(monkeypatch):
+    built = str(torch.__version__)
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    with pytest.raises(ImportError) as err:
+        _ext.load_extension()
+    message = str(err.value)
+    assert f"built for torch {built}" in message and "this is torch 9.9.9" in message
+    assert "pip install --no-build-isolation" in message

@@ -15,9 +15,10 @@ def test_profile_cli_compares_with_hf(tmp_path, capsys):
                              "--device", "cpu", "--out", str(tmp_path)])
     ours, hf = profiles
     printed = capsys.readouterr().out
-    for row in ("wall ms / step, not profiled", "wall ms / step, profiled", "idle gap share", "kernel launches / step", "host syncs / step",
-                "top kernels per step, HF generate"):
+    for row in ("wall / step, not profiled", "wall / step, profiled", "host time outside ops share", "ops / step",
+                "host syncs / step", "top ops per step, HF generate"):
         assert row in printed
+    assert "kernel" not in printed.lower()  # a CPU runs ops
     assert ours.system == "pagedkv" and hf.system == "HF generate"
     assert ours.kernels > 0 and hf.kernels > 0  # counts: exact differences of the two runs
     # Times per step are differences of two short timed runs of a tiny model: finite, but on a
@@ -31,6 +32,40 @@ def test_profile_cli_compares_with_hf(tmp_path, capsys):
     assert [p["system"] for p in saved["profiles"]] == ["pagedkv", "HF generate"]
     assert (tmp_path / "trace_pagedkv.json").stat().st_size > 0
     assert (tmp_path / "trace_hf.json").stat().st_size > 0
+    assert (tmp_path / "profile.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_counts_print_as_integers_and_times_with_their_unit():
+    from pagedkv.tools.profiling import fmt_bytes, fmt_count, fmt_ms
+
+    assert [fmt_count(12.0), fmt_count(0.5), fmt_count(3 - 1e-9)] == ["12", "0.50", "3"]
+    assert [fmt_ms(18.452), fmt_ms(0.178), fmt_ms(float("nan"))] == ["18.5 ms", "178 us", "-"]
+    assert [fmt_bytes(26_700), fmt_bytes(3.31e6), fmt_bytes(12)] == ["26.7 KB", "3.31 MB", "12 B"]
+
+
+def test_kernel_and_op_names_fall_in_categories():
+    from pagedkv.tools.profiling import category
+
+    assert category("pagedkv::linear") == category("aten::addmm") == "matmul"
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
+    assert category("pagedkv::paged_decode_attention") == category("aten::scaled_dot_product_attention") \
+        == "attention"
+    assert category("pagedkv::fused_add_rms_norm") == "norm"
+    assert category("aten::cat") == "copy / cache" and category("aten::mul") == "elementwise"
+    assert category("aten::arange") == "other"
+
+
+def test_kineto_log_lines_are_dropped_and_others_kept(capfd):
+    import os
+
+    from pagedkv.tools.profiling import quiet_kineto
+
+    with quiet_kineto():
+        os.write(2, b"USDT:2026 1:1 SyncActivityProfilerHandler.cpp:39] profiler_start\n")
+        os.write(2, b"ERROR:2026 1:1 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n")
+        os.write(2, b"a real error\n")
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "gpuGetDeviceCount" not in err and "a real error" in err
 
 
 def test_profile_cli_compares_with_the_static_cache_decoder(tmp_path, capsys):
@@ -39,7 +74,7 @@ def test_profile_cli_compares_with_the_static_cache_decoder(tmp_path, capsys):
                              "--out", str(tmp_path)])
     ours, baseline = profiles
     assert baseline.system == "PyTorch static cache (eager)"
-    assert "top kernels per step, PyTorch static cache (eager)" in capsys.readouterr().out
+    assert "top ops per step, PyTorch static cache (eager)" in capsys.readouterr().out
     assert baseline.kernels > 0 and math.isfinite(baseline.unprofiled_wall_ms)
     assert baseline.phases_ms["decode_step"] is None  # pagedkv's labels are pagedkv's alone
     assert (tmp_path / "trace_pytorch.json").stat().st_size > 0

@@ -1,5 +1,11 @@
 """pagedkv: paged KV cache and fused decode kernels for Hugging Face causal LMs."""
 
+import logging
+
+# The library logs under "pagedkv.<module>" and never configures logging: the application does
+# (e.g. logging.basicConfig(level=logging.INFO) shows weights taken, cache size, graphs captured).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
 from pagedkv._ext import _C
 from pagedkv import ops
 from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, StepMetadata
@@ -8,10 +14,10 @@ from pagedkv.runtime import ModelChanged, tensor_parallel, tensor_parallel_from_
 from pagedkv.hf import UnsupportedGenerationArgument, generate, kv_cache_of, patch, unpatch
 from pagedkv.engine import LLM, CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SamplingParams
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
 
 build_info: str = _C.build_info
-"""What the extension was built with, e.g. ``CPU + CUDA (archs 80;90, ...)``."""
+"""What the extension was built with, e.g. ``CPU + CUDA (archs 80;90, torch 2.14.1+cu130, ...)``."""
 
 with_cuda: bool = _C.with_cuda
 """True when the CUDA kernels were compiled in."""

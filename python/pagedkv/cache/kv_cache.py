@@ -4,6 +4,7 @@ here; nothing is ever gathered into dense per-sequence tensors."""
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -13,10 +14,12 @@ from pagedkv._ext import _C
 from pagedkv.cache.spec import KVCacheSpec, num_blocks_for
 from pagedkv.cache.step_metadata import StepBuffers, StepMetadata
 
-CacheFull = _C.CacheFull
+CacheFull: type[RuntimeError] = _C.CacheFull  # typed: _C is loaded at run time, its names read as Any
 """Raised (a RuntimeError) when an operation needs more free blocks than the cache has. Nothing
 was changed: free or preempt a sequence and try again, or ask ``can_allocate`` first."""
 
+
+logger = logging.getLogger(__name__)
 
 PENDING_TOKEN = -1  # append_batch: the slot of a token not read back yet (set_pending_tokens)
 
@@ -88,6 +91,9 @@ class KVCache:
         self._max_batch_size = max_batch_size
         self._max_step_tokens = max_step_tokens
         self._buffers: StepBuffers | None = None
+        logger.info("KV cache: %s on %s, %s; %d layers x %d kv heads x %d head dim; sequences up "
+                    "to %d tokens", self.size_text, self.device, str(dtype).removeprefix("torch."),
+                    num_layers, num_kv_heads, head_dim, self.manager.max_seq_len)
 
     @classmethod
     def from_hf_config(cls, config, *, dtype: torch.dtype | None = None, block_size: int = 16,
@@ -116,6 +122,23 @@ class KVCache:
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out: never used, or cached with no owner (evicted LRU first)."""
         return self.manager.num_free_blocks
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V in all blocks and layers."""
+        return self.num_blocks * self.spec.bytes_per_block
+
+    @property
+    def size_text(self) -> str:
+        """e.g. "4096 blocks x 16 tokens (1.61 GB)", for reprs and logs."""
+        return f"{self.num_blocks} blocks x {self.block_size} tokens ({self.nbytes / 1e9:.3g} GB)"
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"KVCache(num_blocks={self.num_blocks}, block_size={s.block_size}, "
+                f"num_layers={s.num_layers}, num_kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
+                f"dtype={str(s.dtype).removeprefix('torch.')}, device={self.device}, "
+                f"free_blocks={self.num_free_blocks}, memory={self.nbytes / 1e9:.3g} GB)")
 
     # -- sequences -------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int, token_ids: Sequence[int] | torch.Tensor) -> int:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +90,14 @@ def num_blocks_for(
             )
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"pagedkv: memory_fraction must be in (0, 1], got {memory_fraction}")
-        memory_bytes = int(free_memory_bytes(device) * memory_fraction)
+        available = free_memory_bytes(device)
+        memory_bytes = int(available * memory_fraction)
+        logger.debug("cache budget: %.3g GB, %s of the %.3g GB available on %s", memory_bytes / 1e9,
+                     memory_fraction, available / 1e9, device)
     # Slots (block * block_size + offset) are int32: a larger budget than 2**31 - 1 slots is
     # not spent, rather than refused.
     blocks = min(memory_bytes // spec.bytes_per_block, (2**31 - 1) // spec.block_size)
+    logger.debug("%d bytes buy %d blocks of %d bytes", memory_bytes, blocks, spec.bytes_per_block)
     if blocks < 1:
         raise ValueError(
             f"pagedkv: {memory_bytes} bytes hold no cache block: one block of {spec.block_size} "

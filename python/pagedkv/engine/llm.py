@@ -72,7 +72,7 @@ class LLM(BatchAPI):
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  use_cuda_graphs: bool | None = None, overlap_steps: bool | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"pagedkv.LLM: max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -135,6 +135,13 @@ class LLM(BatchAPI):
         # Set while a call changes the engine's state: an exception (an interrupt) that leaves it
         # set makes the next call rebuild the state from what is certain (engine/repair.py).
         self._dirty = False
+
+    def __repr__(self) -> str:
+        return (f"LLM(model={type(self.model).__name__}, device={self.device}, "
+                f"dtype={str(self.runner.model.dtype).removeprefix('torch.')}, "
+                f"cache={self.cache.size_text}, max_num_seqs={self.scheduler.max_num_seqs}, "
+                f"max_model_len={self.max_model_len}, running={len(self.scheduler.running)}, "
+                f"waiting={len(self.scheduler.waiting)})")
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,

@@ -42,7 +42,7 @@ class CompletionOutput:
     __slots__ = ("index", "_token_ids", "_source", "finish_reason", "_tokenizer", "_skip_special", "_text")
 
     def __init__(self, index: int, token_ids: list[int] | None, finish_reason: str | None, tokenizer,
-                 skip_special_tokens: bool = True, source: tuple[list[int], int, int] | None = None):
+                 skip_special_tokens: bool = True, source: tuple[list[int], int, int] | None = None) -> None:
         """token_ids, or source = (tokens, start, end): the ids are tokens[start:end], copied on
         first access (see snapshot)."""
         self.index = index
@@ -79,11 +79,24 @@ class CompletionOutput:
         return self.finish_reason is not None
 
     def __repr__(self) -> str:
-        return (f"CompletionOutput(index={self.index}, token_ids={self.token_ids}, "
-                f"finish_reason={self.finish_reason!r})")
+        return (f"CompletionOutput(index={self.index}, text={short_text(self.text)}, "
+                f"token_ids={short_ids(self.token_ids)}, finish_reason={self.finish_reason!r})")
 
 
-@dataclasses.dataclass(slots=True)
+def short_text(text: str | None, limit: int = 80) -> str:
+    """repr of a text, its head only past `limit` characters (reprs stay a line or two)."""
+    if text is None or len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} chars)"
+
+
+def short_ids(ids: list[int], limit: int = 8) -> str:
+    if len(ids) <= limit:
+        return repr(ids)
+    return f"[{', '.join(map(str, ids[:limit]))}, ...] ({len(ids)} tokens)"
+
+
+@dataclasses.dataclass(slots=True, repr=False)
 class RequestOutput:
     """A request's state after a step (partial) or at its end (finished=True). With n == 1,
     ``token_ids``/``text``/``finish_reason`` are those of the only completion."""
@@ -107,6 +120,11 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, prompt={short_text(self.prompt)}, "
+                f"prompt_token_ids={short_ids(self.prompt_token_ids)}, outputs={self.outputs!r}, "
+                f"finished={self.finished}, num_cached_prompt_tokens={self.num_cached_prompt_tokens})")
 
 
 def request_output(request, finished: bool, tokenizer) -> RequestOutput:

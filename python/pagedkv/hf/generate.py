@@ -8,6 +8,8 @@ This module checks the inputs and resolves HF's arguments; runtime/fixed_batch.p
 
 from __future__ import annotations
 
+from typing import Any, Literal, overload
+
 import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -88,9 +90,24 @@ def _check_inputs(model, input_ids) -> None:
         raise ValueError(f"pagedkv.generate: input_ids hold ids in [{lo}, {hi}]; allowed: [0, {vocab - 1}]")
 
 
-def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             generation_config: GenerationConfig | None = None, streamer=None,
-             use_cuda_graphs: bool | None = None, **kwargs):
+# The return type follows return_dict_in_generate where a type checker can see it: a tensor by
+# default, the output object when the argument is True, either with a generation_config.
+@overload
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             generation_config: GenerationConfig | None = None, streamer: Any = None,
+             use_cuda_graphs: bool | None = None, *, return_dict_in_generate: Literal[True],
+             **kwargs: Any) -> GenerateDecoderOnlyOutput: ...
+@overload
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             generation_config: None = None, streamer: Any = None, use_cuda_graphs: bool | None = None,
+             *, return_dict_in_generate: Literal[False] | None = None, **kwargs: Any) -> torch.Tensor: ...
+@overload
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             generation_config: GenerationConfig | None = None, streamer: Any = None,
+             use_cuda_graphs: bool | None = None, **kwargs: Any) -> torch.Tensor | GenerateDecoderOnlyOutput: ...
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             generation_config: GenerationConfig | None = None, streamer: Any = None,
+             use_cuda_graphs: bool | None = None, **kwargs: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """HF ``model.generate`` on pagedkv. input_ids: [B, S] (left-padded, with attention_mask),
     on the model's device. Returns what HF returns: a [B, S + N] tensor of the prompts and the new
     tokens (pad_token_id after a row's EOS), or a GenerateDecoderOnlyOutput with `sequences` when

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 from typing import Any, Callable, Hashable
 
 import torch
 from torch.profiler import record_function
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -60,8 +63,11 @@ class CudaGraphs:
             torch.cuda.set_stream(home)
         home.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        reserved = torch.cuda.memory_reserved()  # what the graphs' pool grows by (no sync)
         outputs = _captured(graph, self.pool, step, home)
         captured = self._steps[key] = CapturedStep(graph, outputs, buffers, self.label)
+        logger.info("captured CUDA graph %s for %r (%d held); memory reserved grew by %.1f MB",
+                    self.label, key, len(self._steps), (torch.cuda.memory_reserved() - reserved) / 1e6)
         return captured
 
     def clear(self) -> None:

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,13 @@ from pagedkv.models.registry import PREPARED_ATTR, check_supported
 from pagedkv.models.sharding import shard_weights
 from pagedkv.runtime.parallel import TensorParallel
 from pagedkv.runtime.peer_all_reduce import PeerAllReduce
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+logger = logging.getLogger(__name__)
 
 
 class ModelChanged(RuntimeError):
@@ -146,6 +154,9 @@ class PreparedModel:
             # A skeleton's rotary module is on meta too: a fresh one from the config then.
             cos_sin = build_cos_sin_cache(model.config, max_positions, device,
                                           rotary_emb=None if param.is_meta else model.model.rotary_emb)
+        logger.info("took the weights of %s: %s on %s, %.1f MB%s", type(model).__name__,
+                    str(param.dtype).removeprefix("torch."), device, weight_bytes(weights) / 1e6,
+                    "" if tp is None else f" (rank {tp.rank} of {tp.world_size}'s shard)")
         return cls(weights, cos_sin, device, param.dtype, max_positions, tp,
                    fingerprint=fingerprint(model, versions=tp is not None))
 
@@ -160,6 +171,15 @@ class PreparedModel:
         # (a cache manager, locks and CUDA graphs do not copy, and these weights are the
         # original's) and takes its own weights on first use.
         return type(None), ()
+
+
+def weight_bytes(weights: DecoderWeights) -> int:
+    """Bytes of the distinct tensors pagedkv runs (a tied LM head counted once)."""
+    tensors = [weights.embed, weights.final_norm, weights.lm_head]
+    for layer in weights.layers:
+        tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+    unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 _PREPARING = threading.Lock()  # two threads' first calls take a model's weights once
@@ -179,6 +199,7 @@ def prepared(model) -> PreparedModel:
         if state is not None:
             if state.tp is not None:
                 raise _changed_error(change, True, "pagedkv")
+            logger.info("the model changed since pagedkv took its weights (%s): taking them again", change)
             with state.lock:  # a generate() still running on the old weights ends first
                 state.fixed_batch = None  # its cache and CUDA graphs go with the old weights
             setattr(model, PREPARED_ATTR, None)
@@ -212,9 +233,9 @@ def _default_device(world_rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
-def tensor_parallel(model, group: dist.ProcessGroup | None = None,
+def tensor_parallel(model: M, group: dist.ProcessGroup | None = None,
                     device: torch.device | str | None = None, all_reduce: str = "auto",
-                    reader: TensorReader | None = None):
+                    reader: TensorReader | None = None) -> M:
     """Shard `model` over the ranks of `group` (default: the whole world) for pagedkv.generate
     and pagedkv.LLM.
 
@@ -268,7 +289,8 @@ def tensor_parallel(model, group: dist.ProcessGroup | None = None,
 
 def tensor_parallel_from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                                     group: dist.ProcessGroup | None = None,
-                                    device: torch.device | str | None = None, **options):
+                                    device: torch.device | str | None = None,
+                                    **options: Any) -> PreTrainedModel:
     """pagedkv.tensor_parallel of a checkpoint never loaded whole: each rank reads only its shard
     of the safetensors files in `path` (a local folder save_pretrained wrote: config.json, and
     model.safetensors or model.safetensors.index.json with its files), cast to `dtype`, onto

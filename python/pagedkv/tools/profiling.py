@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
+import tempfile
 import time
-from typing import Callable
+import warnings
+from typing import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -19,6 +23,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                         "cudaMemcpy"})
 PHASES = ("prefill", "decode_step", "sample", "metadata", "cache_update")
+# Lines Kineto (torch.profiler's C++ half) logs straight to fd 2 on every profiler start and stop,
+# and on a machine without a GPU: not errors of the run, and dozens of them over the table.
+KINETO_NOISE = ("USDT:", "STAGE:", "gpuGetDeviceCount failed", "SyncActivityProfilerHandler")
 # Phases that run once per generate call: the long-minus-short difference would cancel them, so
 # they are reported per call (from the long run) instead of per step.
 ONCE_PER_CALL = frozenset({"prefill"})
@@ -63,6 +70,30 @@ class StepProfile:
     top_gaps: list[tuple[str, float, float]]
     # label -> host ms per step (per call for ONCE_PER_CALL); None: the system has no such label
     phases_ms: dict[str, float | None]
+    # category (CATEGORIES: matmul, attention, ...) -> kernel (CPU: op) ms per step
+    categories_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+# (category, name fragments), first match wins: where a step's kernel or op time goes. Names are
+# aten/pagedkv ops on the CPU and kernel symbols on CUDA (cuBLAS gemm, at::native elementwise...).
+CATEGORIES = (
+    ("attention", ("attention", "attn", "sdpa", "flash", "fmha", "softmax")),
+    ("matmul", ("linear", "gemm", "gemv", "matmul", "mm", "gate_up", "cutlass", "xmma")),
+    ("norm", ("norm", "rms", "mean", "rsqrt")),
+    ("rotary", ("rotary", "rope", "cos", "sin")),
+    ("embed / sample", ("embedding", "argmax", "topk", "sample", "max")),
+    ("copy / cache", ("copy", "cat", "index", "cache", "memcpy", "fill", "clone", "contiguous")),
+    ("elementwise", ("add", "mul", "sub", "div", "silu", "neg", "pow", "elementwise", "where")),
+)
+
+
+def category(name: str) -> str:
+    """The CATEGORIES entry a kernel or op name falls in ("other" if none)."""
+    lowered = name.lower().removeprefix("aten::").removeprefix("pagedkv::")
+    for label, fragments in CATEGORIES:
+        if any(f in lowered for f in fragments):
+            return label
+    return "other"
 
 
 def _is_op(name: str) -> bool:
@@ -120,8 +151,41 @@ def label_hf_cache_updates():
         layer_cls.update = original
 
 
+@contextlib.contextmanager
+def quiet_kineto() -> Iterator[None]:
+    """Drops Kineto's KINETO_NOISE lines. Kineto writes them from C++ to the process's fd 2, past
+    sys.stderr (and KINETO_LOG_LEVEL, read once per process, would hide real errors with them):
+    fd 2 goes to a temporary file while the block runs, and every other line is passed on."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 to redirect (an embedding host): let it print
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            with warnings.catch_warnings():  # torch's per-cycle note when a schedule is not used
+                warnings.filterwarnings("ignore", message=".*Profiler clears events")
+                yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            kept = [line for line in sink.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(n in line for n in KINETO_NOISE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+
+
 def trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | None = None) -> RunTrace:
-    """Profile one call of fn (already warmed up)."""
+    """Profile one call of fn (already warmed up), Kineto's log lines silenced."""
+    with quiet_kineto():
+        return _trace_run(fn, device, trace_path)
+
+
+def _trace_run(fn: Callable[[], object], device: torch.device, trace_path: str | None) -> RunTrace:
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -216,20 +280,27 @@ def per_step(system: str, short: RunTrace, long: RunTrace, extra_steps: int,
         span = wall
 
     def per_step_rows(long_table, short_table):
+        """Names the extra steps ran (an op run as often in both calls is per call, and the
+        difference of its times only noise), largest time first."""
         rows = []
         for name, (ms, calls) in long_table.items():
             ms0, calls0 = short_table.get(name, (0.0, 0))
-            rows.append((name, (ms - ms0) / d, (calls - calls0) / d))
-        return sorted(rows, key=lambda r: -r[1])[:top]
+            if calls > calls0:
+                rows.append((name, (ms - ms0) / d, (calls - calls0) / d))
+        return sorted(rows, key=lambda r: -r[1])
+
+    categories: dict[str, float] = {}
+    for name, ms, _ in per_step_rows(long.kernel_table, short.kernel_table):
+        categories[category(name)] = categories.get(category(name), 0.0) + ms
     return StepProfile(
         system=system, wall_ms=wall, unprofiled_wall_ms=(unprofiled_ms[1] - unprofiled_ms[0]) / d,
         kernel_ms=(long.kernel_ms - short.kernel_ms) / d, gap_ms=gap,
         gap_share=gap / span if span > 0 else float("nan"),
         kernels=(long.kernels - short.kernels) / d, allocs=(long.allocs - short.allocs) / d,
         alloc_bytes=(long.alloc_bytes - short.alloc_bytes) / d, syncs=(long.syncs - short.syncs) / d,
-        top_kernels=per_step_rows(long.kernel_table, short.kernel_table),
-        top_gaps=per_step_rows(long.gap_table, short.gap_table),
-        phases_ms={p: _phase_ms(p, short, long, d) for p in PHASES},
+        top_kernels=per_step_rows(long.kernel_table, short.kernel_table)[:top],
+        top_gaps=per_step_rows(long.gap_table, short.gap_table)[:top],
+        phases_ms={p: _phase_ms(p, short, long, d) for p in PHASES}, categories_ms=categories,
     )
 
 
@@ -241,34 +312,53 @@ def _phase_ms(phase: str, short: RunTrace, long: RunTrace, steps: float) -> floa
     return (long.phases_ms[phase] - short.phases_ms.get(phase, 0.0)) / steps
 
 
-def side_by_side(profiles: list[StepProfile]) -> str:
-    """A plain-text table, one column per system."""
-    def fmt(v: float, spec: str = ".3g") -> str:
-        return format(v, spec)
+def fmt_ms(ms: float) -> str:
+    """A time with its unit: 18.5 ms, 178 us."""
+    if ms != ms:
+        return "-"
+    return f"{ms:.3g} ms" if abs(ms) >= 1 else f"{1e3 * ms:.3g} us"
 
+
+def fmt_count(n: float) -> str:
+    """A count per step: "12" when whole (differences of whole counts over whole steps), else 2 decimals."""
+    return str(round(n)) if abs(n - round(n)) < 1e-6 else f"{n:.2f}"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def side_by_side(profiles: list[StepProfile], cuda: bool) -> str:
+    """A plain-text table, one column per system. cuda: the profiles hold GPU kernels (else CPU
+    ops, and the gap is host time outside them)."""
+    op = "kernel" if cuda else "op"
+    gap = "idle gap" if cuda else "host time outside ops"
     rows = [
-        ("wall ms / step, not profiled", [fmt(p.unprofiled_wall_ms) for p in profiles]),
-        ("wall ms / step, profiled", [fmt(p.wall_ms) for p in profiles]),
-        ("kernel ms / step", [fmt(p.kernel_ms) for p in profiles]),
-        ("idle gap ms / step", [fmt(p.gap_ms) for p in profiles]),
-        ("idle gap share", [f"{100 * p.gap_share:.1f}%" for p in profiles]),
-        ("kernel launches / step", [fmt(p.kernels, ".1f") for p in profiles]),
-        ("allocations / step", [fmt(p.allocs, ".1f") for p in profiles]),
-        ("allocated bytes / step", [fmt(p.alloc_bytes, ".3g") for p in profiles]),
-        ("host syncs / step", [fmt(p.syncs, ".2f") for p in profiles]),
+        ("wall / step, not profiled", [fmt_ms(p.unprofiled_wall_ms) for p in profiles]),
+        ("wall / step, profiled", [fmt_ms(p.wall_ms) for p in profiles]),
+        (f"{op} time / step", [fmt_ms(p.kernel_ms) for p in profiles]),
+        (f"{gap} / step", [fmt_ms(p.gap_ms) for p in profiles]),
+        (f"{gap} share", [f"{100 * p.gap_share:.1f}%" for p in profiles]),
+        ("kernel launches / step" if cuda else "ops / step", [fmt_count(p.kernels) for p in profiles]),
+        ("allocations / step", [fmt_count(p.allocs) for p in profiles]),
+        ("allocated / step", [fmt_bytes(p.alloc_bytes) for p in profiles]),
+        ("host syncs / step", [fmt_count(p.syncs) for p in profiles]),
     ]
-    rows += [(f"phase {name} ms / {'call' if name in ONCE_PER_CALL else 'step'}",
-              ["-" if p.phases_ms[name] is None else fmt(p.phases_ms[name]) for p in profiles])
+    rows += [(f"phase {name} / {'call' if name in ONCE_PER_CALL else 'step'}",
+              ["-" if p.phases_ms[name] is None else fmt_ms(p.phases_ms[name]) for p in profiles])
              for name in PHASES]
     width = max(len(r[0]) for r in rows) + 2
     cols = [max(18, len(p.system) + 2) for p in profiles]
     lines = ["".ljust(width) + "".join(p.system.rjust(c) for p, c in zip(profiles, cols))]
     lines += [name.ljust(width) + "".join(v.rjust(c) for v, c in zip(values, cols)) for name, values in rows]
     for p in profiles:
-        lines.append(f"\ntop kernels per step, {p.system}:")
-        lines += [f"  {ms:8.3f} ms  {calls:6.1f} x  {name[:90]}" for name, ms, calls in p.top_kernels]
+        lines.append(f"\ntop {op}s per step, {p.system}:")
+        lines += [f"  {fmt_ms(ms):>9}  {fmt_count(calls):>5} x  {name[:90]}" for name, ms, calls in p.top_kernels]
     for p in profiles:
         if p.top_gaps:
             lines.append(f"\nidle time before these kernels per step, {p.system}:")
-            lines += [f"  {ms:8.3f} ms  {calls:6.1f} x  {name[:90]}" for name, ms, calls in p.top_gaps]
+            lines += [f"  {fmt_ms(ms):>9}  {fmt_count(calls):>5} x  {name[:90]}" for name, ms, calls in p.top_gaps]
     return "\n".join(lines)
