@@ -30,10 +30,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import pagedkv
 from pagedkv import LLM, SamplingParams
+from pagedkv.tools.tiny_model import tiny_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from interrupts import RandomInterrupts  # noqa: E402
@@ -84,19 +84,9 @@ class SoakResult:
         return " ".join(f"{name}={getattr(self, name)}" for name in names) + f" time={self.seconds:.0f}s"
 
 
-def tiny_model(seed: int) -> LlamaForCausalLM:
-    """2 layers, head_dim 64, random weights widened (as tests/models.py) so that greedy logits
-    are far from ties and the tokens vary."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3 * 16 / p.shape[-1] ** 0.5)
-    return model.eval()
+def tiny_model(seed: int):
+    """The soak's model: 2 layers, head_dim 64, widened weights (pagedkv.tools.tiny_model)."""
+    return tiny_llama(seed, vocab=VOCAB, hidden=128, heads=2, kv_heads=1)
 
 
 class Reference:

@@ -15,11 +15,11 @@ from typing import Callable
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedkv._ext import _C
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.hf.generate import generate
+from pagedkv.tools.tiny_model import tiny_llama
 
 PROMPT_LEN, NEW_TOKENS, VOCAB = 12, 8, 256
 
@@ -38,24 +38,9 @@ def environment() -> list[str]:
     return lines
 
 
-def tiny_llama(device: str) -> LlamaForCausalLM:
-    """A random 2-layer Llama (fp32). Its weights are widened so that logits are far from ties:
-    greedy tokens then do not depend on rounding, and pagedkv must match HF exactly."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3 * 16 / p.shape[-1] ** 0.5)
-    return model.to(device).eval()
-
-
 def checks(device: str) -> list[tuple[str, Callable[[], str | None]]]:
     """(name, check) pairs; a check returns None when it passes, else what went wrong."""
-    model = tiny_llama(device)
+    model = tiny_llama(vocab=VOCAB).to(device)
     ids = torch.randint(3, VOCAB, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(0)).to(device)
     greedy = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = model.generate(ids, **greedy)[:, PROMPT_LEN:].tolist()  # HF's own, before pagedkv runs
