@@ -115,7 +115,10 @@ def release_collective_graphs() -> None:
     while the process group lives)."""
     held = list(_GRAPHS_WITH_COLLECTIVES)
     if held and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # no replay still running on a graph about to go
+        try:
+            torch.cuda.synchronize()  # no replay still running on a graph about to go
+        except RuntimeError:  # a failed context (e.g. a trapped kernel): nothing runs any more
+            pass
     for graphs in held:
         graphs.clear()
 
