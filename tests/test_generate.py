@@ -178,3 +178,20 @@ def test_bf16_on_gpu_agrees_with_hf(arch, graphs):
                 assert top2[0] - top2[1] < 0.05 * top2[0].abs() + 0.1, (
                     f"row {row} step {step}: tokens differ without a near-tie in HF's logits")
                 break
+
+
+def test_inputs_embeds_is_refused_by_name():
+    """The error names inputs_embeds (not a missing input_ids) and says what to pass."""
+    model = tiny_model("llama")
+    embeds = torch.randn(1, 3, model.config.hidden_size)
+    with pytest.raises(pagedkv.UnsupportedGenerationArgument,
+                       match=r"inputs_embeds is not supported: pagedkv\.generate takes token ids; pass input_ids"):
+        pagedkv.generate(model, inputs_embeds=embeds, max_new_tokens=2)
+
+
+def test_right_padding_error_says_how_to_pad_left():
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7], [5, 6, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # right-padded, as a tokenizer's default gives
+    with pytest.raises(ValueError, match=r"tokenizer\.padding_side = \"left\""):
+        pagedkv.generate(model, ids, attention_mask=mask, max_new_tokens=2)

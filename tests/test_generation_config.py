@@ -64,3 +64,27 @@ def test_unsupported_settings_are_named(model, kwargs, match):
 def test_invalid_values(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         resolve_generation(model, 5, None, kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    # The n of pagedkv.LLM does what num_return_sequences asks.
+    (dict(do_sample=True, num_return_sequences=3),
+     r"num_return_sequences=3 is not supported; allowed: 1\. For several samples of a prompt use "
+     r"pagedkv\.LLM with SamplingParams\(n=3\)"),
+])
+def test_refusals_point_to_what_does_it(model, kwargs, match):
+    with pytest.raises(UnsupportedGenerationArgument, match=match):
+        resolve_generation(model, 5, None, kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(not_an_argument=1), dict(output_scores=True)])
+def test_refusals_list_only_user_facing_settings(model, kwargs):
+    """Fields that checkpoints' generation_config.json carry (transformers_version, cache_implementation,
+    ...) change nothing and are accepted, but are not settings to offer a user."""
+    with pytest.raises(UnsupportedGenerationArgument) as refused:
+        resolve_generation(model, 5, None, kwargs)
+    message = str(refused.value)
+    assert "max_new_tokens" in message and "repetition_penalty" in message
+    for internal in ("transformers_version", "cache_implementation", "compile_config", "disable_compile",
+                     "early_stopping", "length_penalty"):
+        assert internal not in message, internal

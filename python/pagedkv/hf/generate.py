@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from pagedkv.cache import KVCache
-from pagedkv.hf.generation_config import resolve_generation
+from pagedkv.hf.generation_config import UnsupportedGenerationArgument, resolve_generation
 from pagedkv.models.registry import attention_window, check_supported
 from pagedkv.runtime.fixed_batch import FixedBatch, GenerationSettings
 from pagedkv.runtime.model import PREPARED_ATTR, device_of, prepared
@@ -63,7 +63,8 @@ def _prompts_from_left_padded(input_ids: torch.Tensor, attention_mask: torch.Ten
                   f"pad_token_id={inferred_from} as HF does without one,")
         raise ValueError(f"pagedkv.generate: {source} must be left-padded (zeros, then ones in each "
                          "row), as HF's decoder-only generate expects; got another pattern"
-                         + ("" if inferred_from is None else "; pass attention_mask"))
+                         + ("" if inferred_from is None else "; pass attention_mask")
+                         + '. Tokenize with tokenizer.padding_side = "left"')
     if (lengths == 0).any():
         raise ValueError(f"pagedkv.generate: row(s) {(lengths == 0).nonzero().flatten().tolist()} "
                          "of attention_mask are empty; every prompt needs at least one token")
@@ -93,19 +94,19 @@ def _check_inputs(model, input_ids) -> None:
 # The return type follows return_dict_in_generate where a type checker can see it: a tensor by
 # default, the output object when the argument is True, either with a generation_config.
 @overload
-def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
              generation_config: GenerationConfig | None = None, streamer: Any = None,
              use_cuda_graphs: bool | None = None, *, return_dict_in_generate: Literal[True],
              **kwargs: Any) -> GenerateDecoderOnlyOutput: ...
 @overload
-def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
              generation_config: None = None, streamer: Any = None, use_cuda_graphs: bool | None = None,
              *, return_dict_in_generate: Literal[False] | None = None, **kwargs: Any) -> torch.Tensor: ...
 @overload
-def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
              generation_config: GenerationConfig | None = None, streamer: Any = None,
              use_cuda_graphs: bool | None = None, **kwargs: Any) -> torch.Tensor | GenerateDecoderOnlyOutput: ...
-def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
              generation_config: GenerationConfig | None = None, streamer: Any = None,
              use_cuda_graphs: bool | None = None, **kwargs: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """HF ``model.generate`` on pagedkv. input_ids: [B, S] (left-padded, with attention_mask),
@@ -128,6 +129,10 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
               kwargs) -> tuple[torch.Tensor, GenerationSettings]:
     """The new tokens [B, N] and the call's settings."""
     check_supported(model)
+    if kwargs.get("inputs_embeds") is not None:
+        raise UnsupportedGenerationArgument(
+            "pagedkv.generate: inputs_embeds is not supported: pagedkv.generate takes token ids; pass "
+            "input_ids (the embeddings are looked up from them on the device)")
     _check_inputs(model, input_ids)
     settings = resolve_generation(model, input_ids.shape[1], generation_config, kwargs,
                                   batch_without_mask=attention_mask is None and input_ids.shape[0] > 1)

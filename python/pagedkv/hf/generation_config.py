@@ -25,8 +25,17 @@ SUPPORTED_FIELDS = frozenset({
     "transformers_version", "_from_model_config", "early_stopping", "length_penalty",
     "cache_implementation", "disable_compile", "compile_config",
 })
+# What a refusal lists as supported: the settings a user passes (not the fields above that
+# checkpoints carry and that change nothing).
+USER_SETTINGS = sorted(SUPPORTED_FIELDS - {"transformers_version", "_from_model_config", "early_stopping",
+                                           "length_penalty", "cache_implementation", "disable_compile",
+                                           "compile_config", "use_cache", "num_beams",
+                                           "num_return_sequences"})
 # Fields whose only accepted value is HF's default (checked above for everything else).
 _MUST_BE = {"use_cache": True, "num_beams": 1, "num_return_sequences": 1}
+# Where a refused value has another way in pagedkv.
+_INSTEAD = {"num_return_sequences": "For several samples of a prompt use pagedkv.LLM with "
+                                    "SamplingParams(n={value})"}
 # Settings read below, in the forms arguments.py takes.
 _VALUE_FIELDS = arguments.INTEGER_FIELDS + arguments.REAL_FIELDS + arguments.FLAG_FIELDS + ("eos_token_id",)
 
@@ -59,16 +68,17 @@ def _check_fields(config: GenerationConfig) -> None:
     for name, value in config.to_dict().items():
         default = defaults.get(name)
         if name in _MUST_BE and value is not None and not _equal(value, _MUST_BE[name]):
+            instead = _INSTEAD.get(name)
             raise UnsupportedGenerationArgument(
                 f"pagedkv.generate: {name}={value!r} is not supported; allowed: {_MUST_BE[name]!r}"
+                + ("" if instead is None else ". " + instead.format(value=value))
             )
         is_off = (value is None or value is False or _equal(value, default)
                   or (isinstance(value, (dict, list, tuple)) and not value))
         if name not in SUPPORTED_FIELDS and not is_off:
             raise UnsupportedGenerationArgument(
                 f"pagedkv.generate: generation setting {name}={value!r} is not supported "
-                f"(HF default: {default!r}); supported settings: "
-                f"{sorted(f for f in SUPPORTED_FIELDS if not f.startswith('_'))}"
+                f"(HF default: {default!r}); supported settings: {USER_SETTINGS}"
             )
 
 
@@ -135,8 +145,7 @@ def resolve_generation(
     if leftover:
         raise UnsupportedGenerationArgument(
             f"pagedkv.generate: unsupported argument(s) {sorted(leftover)}; supported: input_ids, "
-            f"attention_mask, generation_config, streamer and the generation settings "
-            f"{sorted(f for f in SUPPORTED_FIELDS if not f.startswith('_'))}"
+            f"attention_mask, generation_config, streamer and the generation settings {USER_SETTINGS}"
         )
     _check_fields(config)
     values = arguments.normalized({name: getattr(config, name, None) for name in _VALUE_FIELDS})
