@@ -36,9 +36,11 @@ import pagedkv  # noqa: E402
 from pagedkv.runtime.model import PREPARED_ATTR, PreparedModel  # noqa: E402
 
 
-def relaunch_under_torchrun(ranks: int) -> None:
+def relaunch_under_torchrun(ranks: int, script: str = __file__) -> None:
+    """Run `script` again with this call's arguments under torchrun with `ranks` ranks, and exit
+    with its status."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               __file__, *sys.argv[1:]]
+               script, *sys.argv[1:]]
     sys.exit(subprocess.call(command))
 
 

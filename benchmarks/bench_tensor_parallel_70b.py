@@ -30,7 +30,6 @@ import datetime
 import gc
 import os
 import pathlib
-import subprocess
 import sys
 
 import torch
@@ -39,6 +38,7 @@ from transformers import LlamaConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_generate import PROMPT, per_step_ms  # noqa: E402
+from bench_tensor_parallel import relaunch_under_torchrun  # noqa: E402
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 from timing import copy_bandwidth_gbs  # noqa: E402
 
@@ -72,12 +72,6 @@ class RandomReader:
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=DTYPE, device=self.device)
         return torch.empty(shape, dtype=DTYPE, device=self.device).normal_(0, STD, generator=self.generator)
-
-
-def relaunch_under_torchrun(ranks: int) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               __file__, *sys.argv[1:]]
-    sys.exit(subprocess.call(command))
 
 
 def prompt_ids(batch: int, vocab: int, device) -> torch.Tensor:
@@ -151,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        relaunch_under_torchrun(args.gpus or (torch.cuda.device_count() if cuda else 2))
+        relaunch_under_torchrun(args.gpus or (torch.cuda.device_count() if cuda else 2), __file__)
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # HF's run on rank 0 takes minutes while the others wait at a barrier: a long timeout.

@@ -10,7 +10,6 @@ check that with one small collective (_agreed) before anything is queued."""
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import torch
@@ -20,6 +19,7 @@ from pagedkv.engine.prompts import Prompt, batch_of
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.runtime.model import check_unchanged
+from pagedkv.runtime.parallel import call_digest
 
 
 # A request checked by LLM._checked: (text or None, prompt token ids, sampling params).
@@ -27,12 +27,9 @@ Checked = tuple[str | None, list[int], SamplingParams]
 
 
 def requests_digest(checked: list[Checked], request_ids: list[str | None], error: Exception | None) -> list[int]:
-    """A few numbers that differ, but for a hash collision, between two calls that add different
-    requests (or that failed their checks differently)."""
-    ids = [c[1] for c in checked]
-    return [len(checked), sum(map(len, ids)), zlib.crc32(repr(ids).encode()),
-            zlib.crc32(repr([c[2] for c in checked]).encode()), zlib.crc32(repr(request_ids).encode()),
-            zlib.crc32(repr(error).encode())]
+    """What differs between two calls that add different requests (or failed their checks
+    differently)."""
+    return call_digest([c[1] for c in checked], [c[2] for c in checked], request_ids, error)
 
 
 class BatchAPI:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import zlib
 
 import torch
 from torch.profiler import record_function
@@ -21,6 +20,7 @@ from torch.profiler import record_function
 from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, free_memory_bytes
 from pagedkv.runtime.decode_state import DecodeState
 from pagedkv.runtime.model import PreparedModel
+from pagedkv.runtime.parallel import call_digest
 from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, cuda_graphs_wanted
 from pagedkv.runtime.sampler import Sampler
 
@@ -55,12 +55,6 @@ class _GraphKey:
     eos_ids: tuple[int, ...]
 
 
-def _call_digest(prompts: list[list[int]], settings: GenerationSettings) -> list[int]:
-    """A few numbers that differ, but for a hash collision, between two different calls."""
-    return [len(prompts), sum(map(len, prompts)), zlib.crc32(repr(prompts).encode()),
-            zlib.crc32(repr(settings).encode())]
-
-
 class FixedBatch:
     """generate()'s runner for one prepared model: its own cache (no prefix caching: generate
     keeps nothing between calls), re-made larger when a call needs more blocks."""
@@ -89,7 +83,7 @@ class FixedBatch:
                              f"max_position_embeddings is {model.max_positions}; prompt + "
                              f"max_new_tokens must be <= {model.max_positions}")
         if model.tp is not None:
-            model.tp.check_same("prompts or generation settings", _call_digest(prompts, settings))
+            model.tp.check_same("prompts or generation settings", call_digest(prompts, settings))
         # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
         num_blocks = sum(math.ceil((len(p) + max_new) / BLOCK_SIZE) for p in prompts)
