@@ -48,6 +48,9 @@ def test_kernel_and_op_names_fall_in_categories():
 
     assert category("pagedkv::linear") == category("aten::addmm") == "matmul"
     assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
+    # cuBLAS's GEMMs on an H100 (torch 2.11, CUDA 13), HF's and the compiled decoder's matmuls
+    assert category("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT") == "matmul"
+    assert category("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>") == "matmul"
     assert category("pagedkv::paged_decode_attention") == category("aten::scaled_dot_product_attention") \
         == "attention"
     assert category("pagedkv::fused_add_rms_norm") == "norm"
@@ -101,10 +104,26 @@ def test_the_quietest_run_is_the_one_with_least_device_idle():
     from pagedkv.tools.profiling import RunTrace, quietest
 
     def run(wall, idle):
-        return RunTrace(wall, 1.0, 1.0, 1, 0, 0, 0, {"k": (1.0, 1)}, {},
+        return RunTrace(wall, 1.0, 1.0, 1, 0, 0, 0, {"k": (1.0, 1)}, {}, {},
                         {"k": (idle, 1)} if idle is not None else {})
 
     noisy, calm, slow = run(5.0, 3.0), run(6.0, 0.5), run(9.0, 0.5)
     assert quietest([noisy, calm, slow]) is calm
     cpu_fast, cpu_slow = run(2.0, None), run(3.0, None)
     assert quietest([cpu_slow, cpu_fast]) is cpu_fast
+
+
+def test_a_phase_that_does_not_repeat_per_step_has_no_per_step_time():
+    """Inside a replayed CUDA graph, "sample" runs on the host only for the first token: the long
+    and the short run enter it equally often, and their time difference is noise (it printed
+    -1.25 us a step on an H100), not a per-step time."""
+    from pagedkv.tools.profiling import RunTrace, _phase_ms
+
+    def run(phases, counts):
+        return RunTrace(1.0, 1.0, 1.0, 1, 0, 0, 0, {}, phases, counts)
+
+    short = run({"sample": 0.010, "decode_step": 0.5}, {"sample": 1, "decode_step": 4})
+    long = run({"sample": 0.009, "decode_step": 1.5}, {"sample": 1, "decode_step": 12})
+    assert _phase_ms("sample", short, long, 8) is None
+    assert math.isclose(_phase_ms("decode_step", short, long, 8), 1.0 / 8)
+    assert _phase_ms("metadata", short, long, 8) is None  # never entered

@@ -44,6 +44,7 @@ class RunTrace:
     syncs: int  # host calls that wait for the device
     kernel_table: dict[str, tuple[float, int]]  # name -> (ms, calls)
     phases_ms: dict[str, float]  # record_function label -> host ms, labels seen in the trace only
+    phase_counts: dict[str, int]  # record_function label -> times it was entered
     # kernel name -> (ms the device sat idle right before its launches, launches): where the
     # idle gap goes (CUDA only; empty on the CPU)
     gap_table: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
@@ -68,7 +69,8 @@ class StepProfile:
     top_kernels: list[tuple[str, float, float]]  # (name, ms per step, calls per step)
     # (kernel name, idle ms per step right before it, launches per step), largest first
     top_gaps: list[tuple[str, float, float]]
-    # label -> host ms per step (per call for ONCE_PER_CALL); None: the system has no such label
+    # label -> host ms per step (per call for ONCE_PER_CALL); None: the system has no such label,
+    # or none that repeats per step
     phases_ms: dict[str, float | None]
     # category (CATEGORIES: matmul, attention, ...) -> kernel (CPU: op) ms per step
     categories_ms: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -78,7 +80,8 @@ class StepProfile:
 # aten/pagedkv ops on the CPU and kernel symbols on CUDA (cuBLAS gemm, at::native elementwise...).
 CATEGORIES = (
     ("attention", ("attention", "attn", "sdpa", "flash", "fmha", "softmax")),
-    ("matmul", ("linear", "gemm", "gemv", "matmul", "mm", "gate_up", "cutlass", "xmma")),
+    ("matmul", ("linear", "gemm", "gemv", "matmul", "mm", "gate_up", "cutlass", "xmma", "nvjet",
+                "splitkreduce")),  # nvjet: cuBLAS's Hopper GEMM kernels
     ("norm", ("norm", "rms", "mean", "rsqrt")),
     ("rotary", ("rotary", "rope", "cos", "sin")),
     ("embed / sample", ("embedding", "argmax", "topk", "sample", "max")),
@@ -203,10 +206,12 @@ def _trace_run(fn: Callable[[], object], device: torch.device, trace_path: str |
     kernel_table: dict[str, tuple[float, int]] = {}
     kernel_spans = []  # (start us, end us, name) of each GPU kernel
     phases: dict[str, float] = {}
+    phase_counts: dict[str, int] = {}
     syncs = 0
     for e in events:
         if e.name in PHASES and e.device_type == torch.autograd.DeviceType.CPU:
             phases[e.name] = phases.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+            phase_counts[e.name] = phase_counts.get(e.name, 0) + 1
         if e.name in SYNC_CALLS and e.device_type == torch.autograd.DeviceType.CPU:
             syncs += 1
         # On the device timeline, record_function labels show up too: they are not kernels.
@@ -234,7 +239,7 @@ def _trace_run(fn: Callable[[], object], device: torch.device, trace_path: str |
         alloc_bytes = sum(e.self_cpu_memory_usage for e in allocating)
         busy_ms = kernel_ms
     return RunTrace(wall_ms, kernel_ms, busy_ms, kernels, allocs, alloc_bytes, syncs, kernel_table, phases,
-                    _gaps_before(kernel_spans))
+                    phase_counts, _gaps_before(kernel_spans))
 
 
 def idle_ms(trace: RunTrace) -> float:
@@ -309,6 +314,10 @@ def _phase_ms(phase: str, short: RunTrace, long: RunTrace, steps: float) -> floa
         return None
     if phase in ONCE_PER_CALL:
         return long.phases_ms[phase]
+    # A label the extra steps never entered (e.g. "sample" inside a replayed CUDA graph runs on
+    # the host only for the first token) has no per-step time: the difference would be noise.
+    if long.phase_counts.get(phase, 0) <= short.phase_counts.get(phase, 0):
+        return None
     return (long.phases_ms[phase] - short.phases_ms.get(phase, 0.0)) / steps
 
 
