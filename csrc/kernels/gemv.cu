@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/gemv.h"
 #include "kernels/silu.cuh"
 
@@ -48,6 +49,7 @@ template <typename T, int kM, bool kSiluMul>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     gemv_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                 const T* __restrict__ weight, const T* __restrict__ bias, int n, int k) {
+  begin_dependent_kernel();
   using V = typename Pack8<T>::V;
   constexpr int kE = Pack8<T>::kElems;
   constexpr int kRowsPerWarp = kSiluMul ? 2 : 1;
@@ -118,7 +120,7 @@ template <typename T, int kM, bool kSiluMul>
 cudaError_t launch_m(T* out, const T* x, int64_t x_stride, const T* w, const T* bias, int n, int k,
                      cudaStream_t stream) {
   const int blocks = (n + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  gemv_kernel<T, kM, kSiluMul><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(out, x, x_stride, w, bias, n, k);
+  launch_dependent(gemv_kernel<T, kM, kSiluMul>, blocks, kWarpsPerBlock * 32, 0, stream, out, x, x_stride, w, bias, n, k);
   return cudaGetLastError();
 }
 

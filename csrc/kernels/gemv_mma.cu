@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "kernels/common.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/gemv.h"
 #include "kernels/silu.cuh"
 
@@ -75,6 +76,7 @@ template <typename T, int kAcc>
 __global__ void __launch_bounds__(kSplit * 32)
     gemv_mma_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                     const T* __restrict__ weight, const T* __restrict__ bias, int m, int n, int k) {
+  begin_dependent_kernel();
   __shared__ float partial[kSplit - 1][kAcc][4][32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -261,11 +263,9 @@ cudaError_t gemv_mma(void* out, const void* x, int64_t x_stride, const void* wei
       auto* b = static_cast<const T*>(bias);
       const int tiles = (n + 15) / 16;
       if (silu_mul) {
-        gemv_mma_kernel<T, 2><<<persistent_grid<T, 2>(tiles), kSplit * 32, 0, stream>>>(
-            o, xs, x_stride, w, nullptr, m, n, k);
+        launch_dependent(gemv_mma_kernel<T, 2>, persistent_grid<T, 2>(tiles), kSplit * 32, 0, stream, o, xs, x_stride, w, nullptr, m, n, k);
       } else {
-        gemv_mma_kernel<T, 1><<<persistent_grid<T, 1>(tiles), kSplit * 32, 0, stream>>>(
-            o, xs, x_stride, w, b, m, n, k);
+        launch_dependent(gemv_mma_kernel<T, 1>, persistent_grid<T, 1>(tiles), kSplit * 32, 0, stream, o, xs, x_stride, w, b, m, n, k);
       }
       return cudaGetLastError();
     }

@@ -25,6 +25,7 @@
 #include <cstring>
 
 #include "kernels/common.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/paged_decode_attention.h"
 #include "kernels/paged_decode_attention_common.cuh"
 #include "kernels/paged_decode_attention_mma.cuh"
@@ -399,6 +400,7 @@ constexpr int smem_bytes() {
 template <typename T, int D, int G, bool kMma, int W>
 __global__ void __launch_bounds__(W * 32, paged_ctas_per_sm(G, kMma) * kWarps / W)
 paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
+  begin_dependent_kernel();
   static_assert(W == kWarps || kMma, "the CUDA-core loop runs kWarps warps");
   constexpr int kThreads = W * 32;
   // blockIdx.x = ((b * num_kv_heads + kv_head) * num_splits + split) * head_chunks + chunk:
@@ -561,7 +563,7 @@ cudaError_t launch_warps(const PagedDecodeArgs& a, const Plan& plan, int64_t cta
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
   }
-  kernel<<<static_cast<unsigned>(ctas), W * 32, smem, stream>>>(a, plan);
+  launch_dependent(kernel, static_cast<unsigned>(ctas), W * 32, smem, stream, a, plan);
   return cudaGetLastError();
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/rms_norm.cuh"
 #include "kernels/rms_norm.h"
 
@@ -17,6 +18,7 @@ namespace {
 template <typename T, int kVec, bool kAddResidual>
 __global__ void rms_norm_kernel(T* out, T* residual, const T* input,
                                 const T* __restrict__ weight, int hidden, float epsilon) {
+  begin_dependent_kernel();
   using V = Vec<T, kVec>;
   const int num_vecs = hidden / kVec;
   const int64_t row_offset = static_cast<int64_t>(blockIdx.x) * hidden;
@@ -63,9 +65,9 @@ cudaError_t launch(void* out, void* residual, const void* input, const void* wei
     auto* x = static_cast<const T*>(input);
     auto* w = static_cast<const T*>(weight);
     if (vectorized) {
-      rms_norm_kernel<T, kVec, kAddResidual><<<grid, threads, 0, stream>>>(o, r, x, w, hidden, epsilon);
+      launch_dependent(rms_norm_kernel<T, kVec, kAddResidual>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
     } else {
-      rms_norm_kernel<T, 1, kAddResidual><<<grid, threads, 0, stream>>>(o, r, x, w, hidden, epsilon);
+      launch_dependent(rms_norm_kernel<T, 1, kAddResidual>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
     }
     return cudaGetLastError();
   });

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/rope_and_write_kv.h"
 
 namespace pagedkv::kernels {
@@ -37,6 +38,7 @@ __device__ __forceinline__ unsigned group_mask(int group_size) {
 
 template <typename T, int kVec, bool kNorm>
 __global__ void __launch_bounds__(kThreads) rope_and_write_kv_kernel(const RopeArgs a, int group_size) {
+  begin_dependent_kernel();
   using V = Vec<T, kVec>;
   const int G = group_size;
   const int lane = threadIdx.x & (G - 1);
@@ -156,11 +158,11 @@ cudaError_t rope_and_write_kv(const RopeArgs& a, DType dtype, cudaStream_t strea
     const dim3 grid(static_cast<unsigned>((items + items_per_block - 1) / items_per_block));
     const bool norm = a.q_norm_weight != nullptr || a.k_norm_weight != nullptr;
     if (vectorized) {
-      if (norm) rope_and_write_kv_kernel<T, kVec, true><<<grid, kThreads, 0, stream>>>(a, group_size);
-      else rope_and_write_kv_kernel<T, kVec, false><<<grid, kThreads, 0, stream>>>(a, group_size);
+      if (norm) launch_dependent(rope_and_write_kv_kernel<T, kVec, true>, grid, kThreads, 0, stream, a, group_size);
+      else launch_dependent(rope_and_write_kv_kernel<T, kVec, false>, grid, kThreads, 0, stream, a, group_size);
     } else {
-      if (norm) rope_and_write_kv_kernel<T, 1, true><<<grid, kThreads, 0, stream>>>(a, group_size);
-      else rope_and_write_kv_kernel<T, 1, false><<<grid, kThreads, 0, stream>>>(a, group_size);
+      if (norm) launch_dependent(rope_and_write_kv_kernel<T, 1, true>, grid, kThreads, 0, stream, a, group_size);
+      else launch_dependent(rope_and_write_kv_kernel<T, 1, false>, grid, kThreads, 0, stream, a, group_size);
     }
     return cudaGetLastError();
   });

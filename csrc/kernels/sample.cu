@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "kernels/common.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/sample.h"
 #include "kernels/sample_math.h"
 
@@ -280,6 +281,7 @@ __device__ void for_each_in_chunk(const T* logits, int begin, int end, F&& f) {
 // grid (chunks, batch): chunk_best[r, c] = max packed key of chunk c of row r.
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kChunkThreads) chunk_max_kernel(const SampleArgs a, int chunks) {
+  begin_dependent_kernel();
   const int c = blockIdx.x, r = blockIdx.y;
   const T* logits = static_cast<const T*>(a.logits) + r * a.row_stride;
   const int begin = c * kSampleChunk;
@@ -297,6 +299,7 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_max_kernel(const SampleAr
 // from the chunk totals (sampled, no top-k/top-p); others get 0 (not read).
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kChunkThreads) chunk_weight_kernel(const SampleArgs a, int chunks) {
+  begin_dependent_kernel();
   const int c = blockIdx.x, r = blockIdx.y;
   const int64_t at = static_cast<int64_t>(r) * chunks + c;
   const float temperature = a.temperatures[r];
@@ -344,6 +347,7 @@ __device__ void sample_row(const SampleArgs& a, int r, const Row<T, kVec>& row, 
 
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads, 1) sample_kernel(const SampleArgs a, int chunks) {
+  begin_dependent_kernel();
   __shared__ uint64_t hist[kBins];
   const int r = blockIdx.x;
   const Row<T, kVec> row{static_cast<const T*>(a.logits) + r * a.row_stride, a.vocab};
@@ -404,10 +408,10 @@ cudaError_t sample(const SampleArgs& a, DType dtype, cudaStream_t stream) {
       const int chunks = a.chunk_best != nullptr ? sample_chunks(a.batch, a.vocab) : 0;
       if (chunks > 0) {
         const dim3 grid(chunks, a.batch);
-        chunk_max_kernel<T, kV><<<grid, kChunkThreads, 0, stream>>>(a, chunks);
-        if (a.temperatures != nullptr) chunk_weight_kernel<T, kV><<<grid, kChunkThreads, 0, stream>>>(a, chunks);
+        launch_dependent(chunk_max_kernel<T, kV>, grid, kChunkThreads, 0, stream, a, chunks);
+        if (a.temperatures != nullptr) launch_dependent(chunk_weight_kernel<T, kV>, grid, kChunkThreads, 0, stream, a, chunks);
       }
-      sample_kernel<T, kV><<<a.batch, kThreads, 0, stream>>>(a, chunks);
+      launch_dependent(sample_kernel<T, kV>, a.batch, kThreads, 0, stream, a, chunks);
     };
     if (vectorized) {
       launch(std::integral_constant<int, kVec>{});

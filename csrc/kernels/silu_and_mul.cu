@@ -4,6 +4,7 @@
 
 #include "kernels/silu_and_mul.h"
 #include "kernels/common.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/silu.cuh"
 
 namespace pagedkv::kernels {
@@ -16,6 +17,7 @@ template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) silu_and_mul_kernel(T* __restrict__ out,
                                                                const T* __restrict__ x,
                                                                int64_t intermediate) {
+  begin_dependent_kernel();
   using V = Vec<T, kVec>;
   const int64_t row = blockIdx.x;
   const V* gate = reinterpret_cast<const V*>(x + row * 2 * intermediate);
@@ -48,9 +50,9 @@ cudaError_t silu_and_mul(void* out, const void* x, int64_t rows, int64_t interme
     auto* o = static_cast<T*>(out);
     auto* in = static_cast<const T*>(x);
     if (vectorized) {
-      silu_and_mul_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(o, in, intermediate);
+      launch_dependent(silu_and_mul_kernel<T, kVec>, grid, kThreads, 0, stream, o, in, intermediate);
     } else {
-      silu_and_mul_kernel<T, 1><<<grid, kThreads, 0, stream>>>(o, in, intermediate);
+      launch_dependent(silu_and_mul_kernel<T, 1>, grid, kThreads, 0, stream, o, in, intermediate);
     }
     return cudaGetLastError();
   });
