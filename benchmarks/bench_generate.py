@@ -4,7 +4,7 @@ decode step, tokens/s, % of the roofline (weight + KV bytes over measured copy b
 launches per step, speed-up over HF eager and over the compiled decoder.
 
     python benchmarks/bench_generate.py [--out DIR] [--batches 1,8,32] [--hf-static] [--small]
-                                        [--pagedkv-only] [--no-compiled]
+                                        [--pagedkv-only] [--no-compiled] [--processed] [--beams]
                                         [--compiled-mode reduce-overhead|max-autotune]
 
 Per-step time = (time of generate with 1 + N new tokens - time with 1) / N: prefill excluded.
@@ -15,6 +15,10 @@ decoder; --no-compiled leaves it out. Its greedy tokens and HF eager's are compa
 --hf-static adds HF's static cache (auto-compiled; slow to compile). --small uses a 2-layer
 model of the same widths (smoke test, also on CPU). --pagedkv-only leaves HF out (for A/B runs of
 pagedkv changes, lab/gpu_ab.sh, whose A side has HF's rows; the speed-up columns are empty).
+--processed adds generate()'s processed path (a Python logits_processor that adds 0, so the
+tokens stay greedy: HF's processors run on the host each step) against HF eager with the same
+processor; its "speed-up vs HF eager" is over that HF row. --beams adds beam search (num_beams
+4, eager steps over 4 rows a prompt) against HF eager's beam search, its speed-up over that row.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, Qwen2Config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
@@ -63,6 +67,13 @@ def seconds(fn, device, repeats=3):
         sync(device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+class AddZero(LogitsProcessor):
+    """A Python logits processor that changes nothing: what the processed path costs by itself."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores + 0.0
 
 
 class CompiledGenerate:
@@ -124,6 +135,10 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--pagedkv-only", action="store_true")
     parser.add_argument("--no-compiled", action="store_true", help="leave the compiled decoder out")
+    parser.add_argument("--processed", action="store_true",
+                        help="add the processed path (a logits_processor adding 0) against HF with it")
+    parser.add_argument("--beams", action="store_true",
+                        help="add beam search (num_beams 4) against HF eager's beam search")
     parser.add_argument("--compiled-mode", default="reduce-overhead",
                         choices=["reduce-overhead", "max-autotune"],
                         help="torch.compile mode of the compiled decoder")
@@ -153,6 +168,24 @@ def main() -> None:
         systems["HF static cache (compiled)"] = lambda ids, n: model.generate(
             ids, max_new_tokens=n, do_sample=False, cache_implementation="static")
 
+    baseline_of = {}  # a system's HF row for the speed-up column (default: HF eager)
+    if args.processed:
+        hf_processed = "HF eager + logits_processor (adds 0)"
+        if not args.pagedkv_only:
+            systems[hf_processed] = lambda ids, n: model.generate(
+                ids, max_new_tokens=n, do_sample=False, logits_processor=LogitsProcessorList([AddZero()]))
+        processed = "pagedkv processed path (logits_processor adds 0)"
+        systems[processed] = lambda ids, n: pagedkv.generate(
+            model, ids, max_new_tokens=n, do_sample=False, logits_processor=LogitsProcessorList([AddZero()]))
+        baseline_of[processed] = hf_processed
+    if args.beams:  # 4 beams a row: the step's batch is 4x the row's; HF reorders its cache, pagedkv forks
+        hf_beams = "HF eager beam search (num_beams 4)"
+        if not args.pagedkv_only:
+            systems[hf_beams] = lambda ids, n: model.generate(ids, max_new_tokens=n, num_beams=4, do_sample=False)
+        beams = "pagedkv beam search (num_beams 4)"
+        systems[beams] = lambda ids, n: pagedkv.generate(model, ids, max_new_tokens=n, num_beams=4,
+                                                         do_sample=False)
+        baseline_of[beams] = hf_beams
     rows, plot = [], {name: [] for name in systems}
     batches = [int(b) for b in args.batches.split(",")]
     for batch in batches:
@@ -179,7 +212,8 @@ def main() -> None:
             systems[compiled].decoder = None
         for row in rows[-len(systems):]:
             name, ms = row[1], row[2]
-            row += ["" if hf_eager not in times else times[hf_eager] / ms,
+            base = baseline_of.get(name, hf_eager)
+            row += ["" if base not in times else times[base] / ms,
                     "" if compiled not in times else times[compiled] / ms]
     header = ["batch", "system", "ms / decode step", "tokens/s", "% of roofline", "kernels / step",
               "speed-up vs HF eager", "speed-up vs compiled PyTorch"]

@@ -179,6 +179,13 @@ void register_cache_bindings(py::module_& m) {
              return copies_to_list(copies);
            },
            py::arg("seq_id"), py::arg("num_tokens"))
+      .def("name_reserved",
+           [](CacheManager& self, py::handle id, py::handle tokens) {
+             const int64_t sid = seq_id(id);
+             self.name_reserved(sid, read_ints<int32_t>(tokens, "token_ids"));
+           },
+           py::arg("seq_id"), py::arg("token_ids"))
+      .def("drop_cached", &CacheManager::drop_cached)
       .def("append_batch",
            [](CacheManager& self, py::handle seq_ids, py::handle tokens) {
              std::vector<BlockCopy> copies;

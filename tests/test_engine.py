@@ -205,7 +205,7 @@ def test_string_prompts_and_text():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n must"), (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n must"), (dict(top_k=-2), "top_k"),
     (dict(seed=-3), "seed"),
 ])
 def test_invalid_sampling_params(kwargs, message):

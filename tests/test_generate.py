@@ -117,7 +117,7 @@ def test_return_dict_and_patch():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(num_beams=2), ValueError, r"num_beams=2 is not supported"),
+    (dict(num_beams=2, num_return_sequences=3), ValueError, r"has to be smaller or equal to .num_beams"),
     (dict(max_new_tokens=600), ValueError, r"max_position_embeddings is 512"),
 ])
 def test_bad_calls_leave_the_cache_clean(kwargs, error, match):

@@ -1,4 +1,4 @@
-"""The README's "Limits and errors" table, one test (or group) per row, for pagedkv.generate,
+"""docs/limits.md's table, one test (or group) per row, for pagedkv.generate,
 model.generate after pagedkv.patch, and pagedkv.LLM where the row applies. Each checks the
 exception's type and that its message names what was wrong and what is allowed, then that no
 cache block is held and that the next valid call gives HF's greedy tokens (tiny fp32 model)."""
@@ -226,7 +226,7 @@ def test_invalid_sampling_generate(gen, kwargs, match):
     (dict(temperature=float("nan")), r"temperature must be >= 0 \(0 = greedy\), got nan"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\] \(1 = off\), got 1.5"),
-    (dict(top_k=-1), r"top_k must be an int >= 0 \(0 = off\), got -1"),
+    (dict(top_k=-2), r"top_k must be an int >= -1 \(-1 or 0 = off\), got -2"),
     (dict(n=0), r"n must be an int >= 1, got 0"),
     (dict(seed=-3), r"seed must be None or an int in \[0, 2\*\*62\), got -3"),
 ])

@@ -1,4 +1,4 @@
-"""The README's "Limits and errors" rows about faults while running (test_limits.py has the bad
+"""docs/limits.md's rows about faults while running (test_limits.py has the bad
 inputs): out of cache blocks, a request cancelled mid-run, a streamer or stream consumer that
 raises. After each: the exception arrived unchanged, no cache block is held, and the next valid
 call equals HF's greedy tokens."""

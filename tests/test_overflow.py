@@ -271,9 +271,9 @@ def test_a_memory_budget_past_int32_slots_is_capped_not_refused():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_tokens=True), "max_tokens must be an int >= 1, got True"),
     (dict(n=True), "n must be an int >= 1, got True"),
-    (dict(top_k=True), "top_k must be an int >= 0"),
-    (dict(top_k=-1), "top_k must be an int >= 0"),
-    (dict(top_k=5.0), "top_k must be an int >= 0"),
+    (dict(top_k=True), "top_k must be an int >= -1"),
+    (dict(top_k=-2), "top_k must be an int >= -1"),
+    (dict(top_k=5.0), "top_k must be an int >= -1"),
     (dict(seed=True), "seed must be None or an int"),
     (dict(seed=2**62), r"seed must be None or an int in \[0, 2\*\*62\)"),
     (dict(seed=-1), "seed must be None or an int"),

@@ -113,7 +113,7 @@ class FakeSeq:
 def test_sampling_batch_repeats_only_after_a_step_that_sampled():
     """On its own, without the engine's repair: a step whose samples never became pending (it
     failed after prepare) is not repeated; one whose samples did is."""
-    batch = SamplingBatch(Sampler(4, torch.device("cpu")))
+    batch = SamplingBatch(Sampler(4, torch.device("cpu")), vocab_size=256)
     seqs = [FakeSeq(1), FakeSeq(2)]
     batch.prepare(seqs, 1, repeat=False)
     assert not batch.repeats(seqs, 2)  # step 1 failed: no sample pending
@@ -135,7 +135,7 @@ def test_rows_that_do_not_fit_leave_the_sampler_as_it_was():
         sampler.set_rows([0.0, 0.0, 0.8], [1, 2, 3], [1.0, 1.0, 1.0], [1, 2, 2**64], [0, 0, 0])
     after = (sampler.temperatures, sampler.top_k, sampler.top_p, sampler.seeds, sampler.offsets)
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and not sampler.all_greedy
-    batch = SamplingBatch(sampler)
+    batch = SamplingBatch(sampler, vocab_size=256)
     seqs = [FakeSeq(1), FakeSeq(2)]
     batch.prepare(seqs, 1, repeat=False)
     seqs[1].seed = 2**64  # a row that cannot be written: the next step must not repeat the batch

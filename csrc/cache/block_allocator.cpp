@@ -74,6 +74,15 @@ void BlockAllocator::register_full(int32_t block, uint64_t key, uint64_t parent_
   std::copy(tokens, tokens + block_size_, tokens_.begin() + static_cast<size_t>(block) * block_size_);
 }
 
+void BlockAllocator::drop_cached() {
+  while (lru_head_ != -1) {
+    const int32_t block = lru_head_;
+    lru_remove(block);
+    unregister(block);
+    free_.push_back(block);
+  }
+}
+
 void BlockAllocator::unregister(int32_t block) {
   if (keyed_.empty() || !keyed_[block]) return;
   block_of_key_.erase(key_[block]);

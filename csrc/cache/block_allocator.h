@@ -33,6 +33,8 @@ class BlockAllocator {
 
   // The cached block holding exactly these tokens after exactly this parent, or -1.
   int32_t find_cached(uint64_t key, uint64_t parent_key, const int32_t* tokens) const;
+  // Every evictable cached block leaves the prefix cache and goes to the free list.
+  void drop_cached();
   // Makes a full block findable by find_cached. A key already held by another block stays with
   // that block (this one then simply is not cached).
   void register_full(int32_t block, uint64_t key, uint64_t parent_key, const int32_t* tokens);

@@ -158,6 +158,7 @@ int64_t CacheManager::add_sequence(int64_t seq_id, std::span<const int32_t> toke
   }
   while (static_cast<int32_t>(seq.blocks.size()) < num_blocks) seq.blocks.push_back(allocator_.allocate());
   seq.num_tokens = n;
+  seq.named = n;
   if (prefix_caching_) {
     // New full blocks become findable now: their K/V are written by the step that computes them,
     // before any attention of that step or a later one reads them.
@@ -234,7 +235,9 @@ void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n
     if (seq.num_tokens % block_size_ == 0) seq.blocks.push_back(allocator_.allocate());
     ++seq.num_tokens;
     if (tokens != nullptr && tokens[i] == kPendingToken) seq.pending = 1;  // only n == 1 passes one
-    if (!prefix_caching_ || !seq.keyable) continue;
+    if (!seq.keyable) continue;
+    ++seq.named;
+    if (!prefix_caching_) continue;
     seq.tail_tokens.push_back(tokens[i]);
     if (seq.pending == 0) register_if_full(seq);
   }
@@ -243,7 +246,8 @@ void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n
 void CacheManager::register_if_full(Sequence& seq) {
   if (static_cast<int32_t>(seq.tail_tokens.size()) != block_size_) return;
   const uint64_t key = chain_hash(seq.last_full_key, seq.tail_tokens.data(), block_size_);
-  allocator_.register_full(seq.blocks.back(), key, seq.last_full_key, seq.tail_tokens.data());
+  const int32_t block = seq.blocks[static_cast<size_t>((seq.named - 1) / block_size_)];
+  allocator_.register_full(block, key, seq.last_full_key, seq.tail_tokens.data());
   seq.last_full_key = key;
   seq.tail_tokens.clear();
 }
@@ -293,10 +297,27 @@ void CacheManager::reserve(int64_t seq_id, int64_t num_tokens, std::vector<Block
   const AppendPlan plan = plan_append(seq, seq_id, num_tokens, unref_scratch_);
   check_free_blocks(plan.copy_last + plan.new_blocks, "reserving slots for a sequence");
   if (num_tokens == 0) return;
-  // Blocks holding tokens not known yet can never be keyed, nor can any block after them.
+  // Blocks holding tokens not known yet are keyed only once name_reserved names them, and so
+  // are the blocks after them.
   seq.keyable = false;
-  seq.tail_tokens.clear();
   write_tokens(seq, plan, num_tokens, nullptr, copies);
+}
+
+void CacheManager::name_reserved(int64_t seq_id, std::span<const int32_t> tokens) {
+  Sequence& seq = find(seq_id);
+  check_tokens(tokens, "pagedkv: name_reserved got token -1; name each slot with its token id");
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n > seq.num_tokens - seq.named) {
+    throw std::invalid_argument("pagedkv: sequence " + str(seq_id) + " has " + str(seq.num_tokens - seq.named) +
+                                " slots without token ids (reserve); cannot name " + str(n));
+  }
+  for (const int32_t token : tokens) {
+    ++seq.named;
+    if (!prefix_caching_) continue;
+    seq.tail_tokens.push_back(token);
+    register_if_full(seq);
+  }
+  seq.keyable = seq.named == seq.num_tokens;
 }
 
 void CacheManager::append_batch(std::span<const int64_t> seq_ids, std::span<const int32_t> tokens,

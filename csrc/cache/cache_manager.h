@@ -27,8 +27,16 @@ class CacheManager {
   // Slots for more tokens of one sequence (a prefill chunk); block copies go to `copies`.
   void append_tokens(int64_t seq_id, std::span<const int32_t> tokens, std::vector<BlockCopy>& copies);
   // Slots for num_tokens tokens whose ids are not known yet (e.g. generate() reserving a whole
-  // generation up front). The sequence's blocks from here on never enter the prefix cache.
+  // generation up front). The sequence's blocks from here on enter the prefix cache only as
+  // name_reserved names their tokens.
   void reserve(int64_t seq_id, int64_t num_tokens, std::vector<BlockCopy>& copies);
+  // The ids of the next tokens.size() slots without ids (reserved, or appended after them), once
+  // known and their K/V written (generate() after its call): the full blocks they complete enter
+  // the prefix cache. Naming every such slot makes the sequence keyable again.
+  void name_reserved(int64_t seq_id, std::span<const int32_t> tokens);
+  // Every cached block that no sequence holds leaves the prefix cache (its K/V are stale: the
+  // model's weights changed).
+  void drop_cached() { allocator_.drop_cached(); }
   // One more token for each sequence (a decode step), all or nothing. A token of kPendingToken
   // reserves the slot of a token not known yet; set_pending_tokens names it later, and the
   // sequence takes no other append until then.
@@ -86,7 +94,7 @@ class CacheManager {
   // n more tokens; `tokens` is read only while the sequence is keyable (reserve passes none).
   void write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n, const int32_t* tokens,
                     std::vector<BlockCopy>& copies);
-  // A tail of block_size known tokens: key the last block and make it findable.
+  // A tail of block_size known tokens: key the block holding the last named token and make it findable.
   void register_if_full(Sequence& seq);
   // Prefix-cache keys of the prompt's full blocks and the leading ones found cached (`hits`);
   // returns how many of the hits have no owner now (reviving them takes them from the free count).

@@ -17,7 +17,10 @@ struct Sequence {
   // prefix caching on, to key the block when it becomes full.
   std::vector<int32_t> tail_tokens;
   uint64_t last_full_key = kRootHash;  // prefix-cache key of the last full block
-  bool keyable = true;               // false once slots were reserved without token ids
+  bool keyable = true;               // false while slots reserved without token ids are unnamed
+  // Leading tokens whose ids are known: all of them, less the slots reserve() left without ids
+  // until name_reserved names them.
+  int64_t named = 0;
   // 1 while the last slot's token is not known yet (append_batch with kPendingToken): the engine
   // schedules step N+1 before reading step N's samples back. The token is the last of
   // tail_tokens (a full tail stays unkeyed until set_pending_tokens names it); no more slots are

@@ -54,7 +54,13 @@ class CacheManager:
     def append_tokens(self, seq_id: int, token_ids: Ints) -> list[tuple[int, int]]:
         """Returns the (src, dst) block copies to do on the device first (copy-on-write)."""
     def reserve(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
-        """Slots for tokens not known yet; the sequence's later blocks are never prefix-cached."""
+        """Slots for tokens not known yet; the sequence's later blocks are prefix-cached only as
+        name_reserved names their tokens."""
+    def name_reserved(self, seq_id: int, token_ids: Ints) -> None:
+        """The ids of the next slots without ids (reserve), once known and their K/V written:
+        the full blocks they complete enter the prefix cache."""
+    def drop_cached(self) -> None:
+        """Every cached block no sequence holds leaves the prefix cache (stale K/V)."""
     def append_batch(self, seq_ids: Ints, token_ids: Ints) -> list[tuple[int, int]]:
         """One token per sequence, all or nothing; -1 reserves a slot whose token comes later."""
     def set_pending_tokens(self, seq_ids: Ints, token_ids: Ints) -> None:

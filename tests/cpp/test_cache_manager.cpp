@@ -85,6 +85,8 @@ void check_invariants(const CacheManager& m) {
     const int64_t want = (seq.num_tokens + m.block_size() - 1) / m.block_size();
     CHECK(static_cast<int64_t>(seq.blocks.size()) == want);
     CHECK(seq.num_tokens <= m.max_seq_len());
+    // Only slots reserve() left without ids (and those after them) are unnamed.
+    CHECK(seq.named <= seq.num_tokens && seq.keyable == (seq.named == seq.num_tokens));
     std::vector<int32_t> sorted = seq.blocks;
     std::sort(sorted.begin(), sorted.end());
     CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());
@@ -143,6 +145,21 @@ void test_add_append_fork_free() {
   CHECK(m.allocator().num_evictable() == evictable + 2);
   CHECK(m.add_sequence(6, tokens_of(9, 50)) == 8);
   m.free_sequence(6);
+  check_invariants(m);
+  // Reserved slots named later (generate() after its call) key their full blocks.
+  CHECK(m.add_sequence(7, tokens_of(3, 60)) == 0);
+  m.reserve(7, 6, copies);
+  const std::vector<int32_t> all = tokens_of(9, 60);
+  m.name_reserved(7, std::span<const int32_t>(all).subspan(3, 5));  // tokens 3..7: blocks 0, 1 full
+  EXPECT_THROW(std::invalid_argument, [&] { m.name_reserved(7, tokens_of(2)); });  // one slot left
+  check_invariants(m);
+  m.free_sequence(7);
+  CHECK(m.add_sequence(8, all) == 8);
+  m.free_sequence(8);
+  // drop_cached: no unheld block stays findable.
+  m.drop_cached();
+  CHECK(m.allocator().num_evictable() == 0 && m.add_sequence(9, all) == 0);
+  m.free_sequence(9);
   check_invariants(m);
 }
 
@@ -285,7 +302,7 @@ void random_run(uint32_t seed, int num_ops) {
     try {
       const std::vector<int64_t> ids = random_ids(6, true);
       const int64_t some = ids.empty() ? -1 : ids[0];
-      switch (pick(0, 7)) {
+      switch (pick(0, 9)) {
         case 0: case 1: m.add_sequence(next_id++, random_tokens(pick(0, static_cast<int>(max_seq_len) + 2))); break;
         case 2: m.append_tokens(some, random_tokens(pick(0, 9)), copies); break;
         case 3: m.reserve(some, random_count(rng, 9), copies); break;
@@ -297,6 +314,13 @@ void random_run(uint32_t seed, int num_ops) {
         }
         case 5: m.fork(some, pick(0, 9) == 0 ? some : next_id++); break;
         case 6: m.free_sequence(some, pick(0, 3) != 0); break;
+        case 8: {
+          std::vector<int32_t> toks = random_tokens(pick(0, 6));
+          if (!toks.empty() && pick(0, 15) == 0) toks.back() = -1;
+          m.name_reserved(some, toks);
+          break;
+        }
+        case 9: if (pick(0, 3) == 0) m.drop_cached(); break;
         default: {
           std::vector<int32_t> lens;
           for (const int64_t id : ids) {

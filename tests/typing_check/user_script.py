@@ -8,7 +8,7 @@ from typing import Iterator, assert_type
 
 import torch
 from transformers import LlamaForCausalLM, PreTrainedModel
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 import pagedkv
 from pagedkv import LLM, CompletionOutput, EngineStats, KVCache, KVCacheSpec, RequestOutput, SamplingParams
@@ -18,8 +18,9 @@ ids = torch.tensor([[1, 2, 3]])
 
 # generate: a tensor, as HF's, or its output object when asked for one.
 assert_type(pagedkv.generate(model, ids, max_new_tokens=8), torch.Tensor)
+# (the beam output for num_beams > 1: HF's own split, which the argument's value decides)
 assert_type(pagedkv.generate(model, ids, max_new_tokens=8, return_dict_in_generate=True),
-            GenerateDecoderOnlyOutput)
+            GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput)
 sequences = pagedkv.generate(model, ids, attention_mask=torch.ones_like(ids), do_sample=False)
 assert_type(sequences[:, ids.shape[1]:].tolist(), list)
 

@@ -153,8 +153,20 @@ class KVCache:
 
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Reserve slots for tokens whose ids are not known yet (e.g. a whole generation up front).
-        The sequence's blocks from here on never enter the prefix cache."""
+        The sequence's blocks from here on enter the prefix cache only as name_reserved names
+        their tokens."""
         copy_blocks(self, self.manager.reserve(seq_id, num_tokens))
+
+    def name_reserved(self, seq_id: int, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """The ids of the sequence's next slots without ids (reserve), in order, once known and
+        their K/V written (generate() after its call): the full blocks they complete enter the
+        prefix cache. ValueError (nothing changed) for more ids than such slots, or an id < 0."""
+        self.manager.name_reserved(seq_id, token_ids)
+
+    def drop_prefix_cache(self) -> None:
+        """Forget the K/V of every cached block no sequence holds: they are free blocks again and
+        no prompt finds them (after the model's weights changed, e.g. through ``.data``)."""
+        self.manager.drop_cached()
 
     def append_batch(self, seq_ids: Sequence[int] | torch.Tensor, token_ids: Sequence[int] | torch.Tensor) -> None:
         """Reserve one slot per sequence for a decode step (token_ids[i] for seq_ids[i]): all or

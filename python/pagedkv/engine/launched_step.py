@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from pagedkv.engine.request import Sequence, Status
+from pagedkv.engine.sampling_batch import SamplingBatch
 from pagedkv.runtime.runner import PendingTokens
 
 
@@ -24,20 +25,30 @@ class LaunchedStep:
     samples: torch.Tensor | None = None  # [S] int64 on the device: the sampler's output
     host: torch.Tensor | None = None  # [S] int64 on the host (pinned on CUDA), valid once `copied`
     copied: torch.cuda.Event | None = None
+    # Rows whose read-back does more (engine/watched.py): (sequence, its row of `logprobs`, or -1)
+    watched: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    logprobs: torch.Tensor | None = None  # [W, 3 + 2k] float64 on the host, valid once `copied`
 
     @classmethod
-    def sampled(cls, samplers: list[Sequence], repeat: bool, samples: torch.Tensor) -> LaunchedStep:
-        """Start the copy of samples [S] to the host, stream-ordered after the sampler; the
-        samplers are pending until it is read."""
+    def sampled(cls, samplers: list[Sequence], repeat: bool, samples: torch.Tensor,
+                batch: SamplingBatch) -> LaunchedStep:
+        """Start the copy of samples [S] (and of the logprob table of the batch's sampler, if it
+        made one) to the host, stream-ordered after the sampler; the samplers are pending until
+        it is read."""
         for seq in samplers:
             seq.pending += 1
+        watched = batch.watched
+        table = batch.sampler.processing.step_logprobs if watched and batch.sampler.processing else None
         if samples.device.type != "cuda":
-            return cls(samplers, repeat, samples, samples.clone())
+            return cls(samplers, repeat, samples, samples.clone(), None, watched,
+                       None if table is None else table.clone())
         host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=True)
         host.copy_(samples, non_blocking=True)
+        if table is not None:
+            table = torch.empty(table.shape, dtype=table.dtype, pin_memory=True).copy_(table, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(samplers, repeat, samples, host, copied)
+        return cls(samplers, repeat, samples, host, copied, watched, table)
 
     def read(self, abort: Callable[[str], None]) -> list[int]:
         """The samples, in sample-row order; waits for the device (only for this step). A -1
@@ -58,6 +69,10 @@ class LaunchedStep:
                                    "sampling (temperature > 0) has no distribution to draw from (HF's "
                                    "generate raises too); they were aborted, the other requests go on")
         return tokens
+
+    def read_logprobs(self) -> list[list[float]] | None:
+        """The logprob table's rows (after read(), which waited for the copy)."""
+        return None if self.logprobs is None else self.logprobs.tolist()
 
     def has_live_samples(self) -> bool:
         """Whether any sampler is still unfinished: if none, nothing needs reading back."""

@@ -35,13 +35,14 @@ from pagedkv.cache.spec import cache_sizing
 from pagedkv.engine.batch_api import BatchAPI
 from pagedkv.engine.launched_step import LaunchedStep, pending_inputs
 from pagedkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from pagedkv.engine.prompts import Prompt, load_model, tokenize_prompt
+from pagedkv.engine.prompts import Prompt, check_params, load_model, tokenize_prompt
 from pagedkv.engine.repair import rebuild
 from pagedkv.engine.request import Request, Sequence, Status
 from pagedkv.engine.sampling_batch import SamplingBatch
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.step_outputs import deliver, step_outputs
+from pagedkv.engine.watched import read_watched
 from pagedkv.models.registry import attention_window, check_supported
 from pagedkv.runtime.model import check_unchanged, prepared
 from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted, overlap_wanted, to_device
@@ -115,7 +116,7 @@ class LLM(BatchAPI):
         if eos is None:
             eos = model.config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.sampling = SamplingBatch(Sampler(max_num_seqs, self.device))
+        self.sampling = SamplingBatch(Sampler(max_num_seqs, self.device), self.vocab_size)
         # Seeds of requests that name none; from Python's global generator, so random.seed()
         # before making the engine reproduces a run (under tensor parallelism, rank 0's).
         seed = torch.tensor([random.getrandbits(62)], dtype=torch.int64)
@@ -152,6 +153,7 @@ class LLM(BatchAPI):
         with self._lock:
             self._repair()
             check_unchanged(self.model, self.runner.model)  # ModelChanged; per call, not per step
+            self._check_weights_unwritten()
             given = None if request_id is None else str(request_id)
             (text, ids, params), = self._agreed(lambda: [self._checked(prompt, sampling_params)], [given])
             if request_id is None:
@@ -170,6 +172,7 @@ class LLM(BatchAPI):
             raise TypeError("pagedkv.LLM: sampling_params must be a SamplingParams, got "
                             f"{type(params).__name__}")
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
+        check_params(params, self.tokenizer, self.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"pagedkv.LLM: the prompt has {len(ids)} tokens; at most "
                              f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len}, one "
@@ -208,6 +211,7 @@ class LLM(BatchAPI):
         self._requests.update({r.request_id: r for r in requests})
         for request in requests:
             self.scheduler.add(request.sequences[0])
+        self.sampling.special.update(r for r in requests if r.params.special)
         self._dirty = False
 
     def abort_request(self, request_id: str) -> None:
@@ -237,8 +241,8 @@ class LLM(BatchAPI):
         if not self._dirty:
             return
         self._launched.clear()
-        self.sampling = SamplingBatch(self.sampling.sampler)  # the rows it knew may not have run
-        self._finished = rebuild(self._requests, self.scheduler)
+        self.sampling = self.sampling.fresh()  # the rows it knew may not have run
+        self._finished = rebuild(self._requests, self.scheduler, self.tokenizer)
         self._dirty = False
 
     # -- one step -------------------------------------------------------------------------------
@@ -322,6 +326,8 @@ class LLM(BatchAPI):
                 named.append(token)
         if named_ids:
             self.cache.set_pending_tokens(named_ids, named)
+        if step.watched:  # stop strings, logprobs
+            read_watched(step.watched, step.read_logprobs(), self.scheduler, finished, self.tokenizer)
         if self._launched and not self._launched[0].has_live_samples():
             self._launched.popleft()  # every sample of the step ahead ended: nothing to read
         for seq in () if step.repeat else got:  # a repeated batch has had its first tokens
@@ -371,7 +377,7 @@ class LLM(BatchAPI):
         # With CUDA graphs the logits view the graph's output; the sampler runs on the same
         # stream before the next replay overwrites them.
         sampler = self.sampling.prepare(samplers, self.stats.num_steps, repeat)
-        return LaunchedStep.sampled(samplers, repeat, sampler(logits))
+        return LaunchedStep.sampled(samplers, repeat, sampler(logits), self.sampling)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         request = parent.request

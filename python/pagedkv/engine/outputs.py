@@ -35,31 +35,51 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclasses.dataclass(slots=True)
+class Logprob:
+    """A token's log probability under the model's raw distribution, its rank there (1 = the
+    most likely) and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionOutput:
     """One sample of a request: its new token ids, their text (decoded on first access, with the
-    engine's tokenizer; None without one) and why it finished ("stop", "length", None = running)."""
+    engine's tokenizer; None without one; cut at a stop string), why it finished ("stop",
+    "length", None = running) and, for "stop", what stopped it (stop_reason: the stop string or
+    stop token id; None for EOS). With SamplingParams.logprobs: `logprobs`, one {token id:
+    Logprob} per token (the sampled token first, then the top ones), and their cumulative_logprob."""
 
-    __slots__ = ("index", "_token_ids", "_source", "finish_reason", "_tokenizer", "_skip_special", "_text")
+    __slots__ = ("index", "_token_ids", "_source", "finish_reason", "_tokenizer", "_skip_special", "_text",
+                 "stop_reason", "_logprobs")
 
     def __init__(self, index: int, token_ids: list[int] | None, finish_reason: str | None, tokenizer,
-                 skip_special_tokens: bool = True, source: tuple[list[int], int, int] | None = None) -> None:
+                 skip_special_tokens: bool = True, source: tuple[list[int], int, int] | None = None,
+                 *, text: str | None = None, stop_reason: str | int | None = None,
+                 logprobs: list[dict[int, Logprob]] | None = None) -> None:
         """token_ids, or source = (tokens, start, end): the ids are tokens[start:end], copied on
-        first access (see snapshot)."""
+        first access (see snapshot); logprobs: a list at least as long (a running sample's, read
+        up to its token count)."""
         self.index = index
         self._token_ids = token_ids
         self._source = source
         self.finish_reason = finish_reason
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._text: str | None = None
+        self._text = text
+        self.stop_reason = stop_reason
+        self._logprobs = logprobs
 
     @classmethod
-    def snapshot(cls, index: int, tokens: list[int], start: int, tokenizer,
-                 skip_special_tokens: bool = True) -> CompletionOutput:
+    def snapshot(cls, index: int, tokens: list[int], start: int, tokenizer, skip_special_tokens: bool = True,
+                 logprobs: list[dict[int, Logprob]] | None = None) -> CompletionOutput:
         """A running sample's new tokens tokens[start:] as they are now. The list of a sequence
         only grows, so the copy waits for the first access: a partial output per request per
         step then costs no copy of every request's tokens."""
-        return cls(index, None, None, tokenizer, skip_special_tokens, (tokens, start, len(tokens)))
+        return cls(index, None, None, tokenizer, skip_special_tokens, (tokens, start, len(tokens)),
+                   logprobs=logprobs)
 
     @property
     def token_ids(self) -> list[int]:
@@ -73,6 +93,18 @@ class CompletionOutput:
         if self._text is None and self._tokenizer is not None:
             self._text = self._tokenizer.decode(self.token_ids, skip_special_tokens=self._skip_special)
         return self._text
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        if self._logprobs is None:
+            return None
+        return self._logprobs[:len(self.token_ids)]
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs (None without SamplingParams.logprobs)."""
+        logprobs = self.logprobs
+        return None if logprobs is None else sum(d[t].logprob for t, d in zip(self.token_ids, logprobs))
 
     @property
     def finished(self) -> bool:
@@ -127,13 +159,38 @@ class RequestOutput:
                 f"finished={self.finished}, num_cached_prompt_tokens={self.num_cached_prompt_tokens})")
 
 
+def cut_at_stop(text: str, params) -> tuple[str | None, str | None]:
+    """(text up to the first of params.stop found in it, in the list's order (through it with
+    include_stop_str_in_output), that stop string), or (None, None) if none is in it."""
+    for stop in params.stop:
+        at = text.find(stop)
+        if at >= 0:
+            return text[:at + len(stop) if params.include_stop_str_in_output else at], stop
+    return None, None
+
+
+def finished_completion(seq, request, tokenizer) -> CompletionOutput:
+    """A finished sample (engine/request.py's Sequence) with its stop reason and cut text."""
+    params = request.params
+    text = reason = None
+    ids = seq.output_ids
+    if seq.finish_reason == "stop" and ids:
+        if ids[-1] in request.stop_ids:  # a stop token (an id; None for EOS), as vLLM
+            reason = ids[-1] if ids[-1] in params.stop_token_ids else None
+        elif params.stop and tokenizer is not None:
+            text, reason = cut_at_stop(tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens),
+                                       params)
+    return CompletionOutput(seq.index, ids, seq.finish_reason, tokenizer, params.skip_special_tokens,
+                            text=text, stop_reason=reason, logprobs=seq.logprobs)
+
+
 def request_output(request, finished: bool, tokenizer) -> RequestOutput:
     """The output of an engine request (engine/request.py's Request) as it stands: finished, or
     partial (running samples' tokens so far, copied when read)."""
     skip = request.params.skip_special_tokens
-    completions = [CompletionOutput(s.index, s.output_ids, s.finish_reason, tokenizer, skip)
+    completions = [finished_completion(s, request, tokenizer)
                    if finished or s.finish_reason is not None else
-                   CompletionOutput.snapshot(s.index, s.token_ids, s.prompt_len, tokenizer, skip)
+                   CompletionOutput.snapshot(s.index, s.token_ids, s.prompt_len, tokenizer, skip, s.logprobs)
                    for s in request.sequences]
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                          completions, finished, request.metrics, request.num_cached_prompt_tokens)

@@ -1,15 +1,17 @@
 """What pagedkv.LLM takes as input: a model (loaded, or a name for from_pretrained) with its
-tokenizer, and prompts as strings or token ids, checked and turned into token-id lists."""
+tokenizer, and prompts as strings, token ids or vLLM's prompt dicts ({"prompt": str} or
+{"prompt_token_ids": [...]}), checked and turned into token-id lists."""
 
 from __future__ import annotations
 
 import numbers
 import operator
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, object]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def load_model(model, tokenizer, dtype):
@@ -56,13 +58,39 @@ def prompt_token_ids(prompt) -> list[int]:
     return ids
 
 
+def _dict_prompt(prompt: Mapping, tokenizer) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt dict: "prompt_token_ids" if given (then "prompt" is
+    only the text reported with the output), else "prompt" tokenized."""
+    keys = set(prompt)
+    if keys - set(PROMPT_KEYS) or not keys:
+        raise ValueError(f"pagedkv.LLM: a prompt dict takes the keys 'prompt' (a string) and/or "
+                         f"'prompt_token_ids' (token ids, used if both are given), got keys "
+                         f"{sorted(map(repr, keys))}")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"pagedkv.LLM: a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
+    if "prompt_token_ids" not in prompt:
+        return tokenize_text(text, tokenizer), text
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, (str, bytes)):
+        raise TypeError("pagedkv.LLM: a prompt dict's 'prompt_token_ids' must be token ids, got a string; "
+                        "put text under 'prompt'")
+    return prompt_token_ids(ids), text
+
+
+def tokenize_text(text: str, tokenizer) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("pagedkv.LLM: a string prompt needs a tokenizer; pass tokenizer= "
+                         "or give token ids")
+    return list(tokenizer.encode(text))
+
+
 def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt; TypeError/ValueError naming what is wrong."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("pagedkv.LLM: a string prompt needs a tokenizer; pass tokenizer= "
-                             "or give token ids")
-        ids = list(tokenizer.encode(prompt))
+    if isinstance(prompt, Mapping):
+        ids, text = _dict_prompt(prompt, tokenizer)
+    elif isinstance(prompt, str):
+        ids = tokenize_text(prompt, tokenizer)
         text = prompt
     else:
         ids = prompt_token_ids(prompt)
@@ -86,7 +114,7 @@ def is_token(value) -> bool:
 
 def batch_of(prompts, sampling_params) -> tuple[list, list]:
     """(prompts, one sampling-params entry per prompt) of LLM.generate/stream's arguments: one
-    prompt (a string, a list of ids, a 1-D tensor or array [n]) or many (a list, or a 2-D
+    prompt (a string, a prompt dict, a list of ids, a 1-D tensor or array [n]) or many (a list, or a 2-D
     tensor or array [B, n]: its rows); one SamplingParams (or None) for all, or a list."""
     ndim = getattr(prompts, "ndim", None)  # torch and numpy arrays
     if ndim is not None and not isinstance(prompts, (str, bytes)):
@@ -94,7 +122,7 @@ def batch_of(prompts, sampling_params) -> tuple[list, list]:
             raise ValueError(f"pagedkv.LLM: prompts given as an array must be [n] (one prompt) or "
                              f"[B, n] (B prompts), got shape {tuple(prompts.shape)}")
         prompts = [prompts] if ndim == 1 else list(prompts)
-    elif isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+    elif isinstance(prompts, (str, Mapping)) or (isinstance(prompts, (list, tuple)) and prompts
                                       and is_token(prompts[0])):
         prompts = [prompts]
     prompts = list(prompts)
@@ -104,3 +132,14 @@ def batch_of(prompts, sampling_params) -> tuple[list, list]:
                              f"{len(prompts)} prompts; give one, or one per prompt")
         return prompts, list(sampling_params)
     return prompts, [sampling_params] * len(prompts)
+
+
+def check_params(params, tokenizer, vocab_size: int) -> None:
+    """What a SamplingParams needs of the engine: a tokenizer for stop strings, and a vocabulary
+    of at least `logprobs` tokens."""
+    if params.stop and tokenizer is None:
+        raise ValueError("pagedkv.LLM: stop strings need a tokenizer (pass tokenizer= to pagedkv.LLM); "
+                         "stop_token_ids work without one")
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise ValueError(f"pagedkv.LLM: logprobs={params.logprobs} is more than the vocabulary "
+                         f"({vocab_size} tokens)")

@@ -9,12 +9,14 @@ its tokens). Everything else starts over: every sequence the cache holds is free
 leave the prefix cache (their K/V may never have been written), and every unfinished sequence
 waits to be recomputed from its tokens. Tokens sampled but not read back are sampled again, to
 the same values: a token depends only on its logits, its request's seed and its position.
+So is a token whose logprobs were not read (engine/watched.py's settle).
 """
 
 from __future__ import annotations
 
 from pagedkv.engine.request import Request, Sequence, Status
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.watched import settle
 
 
 def end_reason(seq: Sequence) -> str | None:
@@ -28,7 +30,7 @@ def end_reason(seq: Sequence) -> str | None:
     return None
 
 
-def rebuild(requests: dict[str, Request], scheduler: Scheduler) -> list[Request]:
+def rebuild(requests: dict[str, Request], scheduler: Scheduler, tokenizer=None) -> list[Request]:
     """Reset the scheduler to: nothing running, every unfinished sequence of `requests` waiting
     (in arrival order) with nothing computed. Returns the requests that have finished (their
     outputs are still to be returned). Safe to run again if it is itself interrupted."""
@@ -38,7 +40,8 @@ def rebuild(requests: dict[str, Request], scheduler: Scheduler) -> list[Request]
         seqs = request.sequences
         for seq in seqs:
             seq.pending, seq.pending_in_cache, seq.in_cache, seq.num_computed = 0, False, False, 0
-            reason = seq.finish_reason or end_reason(seq)
+            watched = settle(seq, tokenizer) if request.params.special else None
+            reason = seq.finish_reason or watched or end_reason(seq)
             if reason is not None or seq.status is Status.FINISHED:
                 seq.finish_reason, seq.status = reason, Status.FINISHED
             else:

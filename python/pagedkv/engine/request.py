@@ -63,6 +63,10 @@ class Sequence:
     pending: int = 0  # sampled tokens on their way back from the device (at most 1 when scheduling)
     pending_in_cache: bool = False  # its cache slot was reserved with KVCache.PENDING_TOKEN
     finish_reason: str | None = None
+    # Requests with stop strings or logprobs (engine/watched.py): the output tokens read back so
+    # far, and one {token id: Logprob} per output token.
+    num_watched: int = 0
+    logprobs: list[dict] | None = None
 
     @property
     def output_ids(self) -> list[int]:

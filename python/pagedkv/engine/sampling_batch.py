@@ -4,11 +4,16 @@ A decode step of an unchanged batch (nothing admitted, finished or preempted sin
 samples the same sequences in the same order: the same temperatures, top-k, top-p and seeds, and
 each row's RNG offset (its generated token count) one higher. Writing the five parameter rows
 from Python lists costs ~100 us a step at 256 rows; moving the offsets on costs one add.
+
+Requests with penalties, min_p, logprobs or stop strings (`special`, registered when queued)
+also get their rows set in the sampler's RowProcessing, and `watched` names the rows whose
+read-back does more (engine/watched.py). While no such request is live, a step does neither.
 """
 
 from __future__ import annotations
 
-from pagedkv.engine.request import Sequence
+from pagedkv.engine.request import Request, Sequence, Status
+from pagedkv.runtime.row_processing import PenaltyRow, RowProcessing
 from pagedkv.runtime.sampler import Sampler
 
 
@@ -19,11 +24,24 @@ def _offset(seq: Sequence) -> int:
 
 
 class SamplingBatch:
-    def __init__(self, sampler: Sampler) -> None:
+    def __init__(self, sampler: Sampler, vocab_size: int, special: set[Request] | None = None,
+                 processing: RowProcessing | None = None) -> None:
         self.sampler = sampler
+        self.vocab_size = vocab_size
         self._seqs: list[Sequence] = []
         self._step = -2  # the engine step that last sampled
         self._first_offset = 0  # _seqs[0]'s offset then
+        self.special: set[Request] = special or set()  # queued requests that may need rows processed
+        self.processing = processing  # allocated on first use
+        self.watched: list[tuple[Sequence, int]] = []  # (sequence, its logprob row or -1) of the rows
+
+    def fresh(self) -> SamplingBatch:
+        """A batch that reuses nothing of this one's rows (after a fault: they may never have run),
+        with the same sampler, special requests and processing tensors (their slots forgotten)."""
+        if self.processing is not None:
+            self.processing.clear()
+        self.sampler.processing = None
+        return SamplingBatch(self.sampler, self.vocab_size, self.special, self.processing)
 
     def repeats(self, seqs: list[Sequence], step: int) -> bool:
         """True when the step before (step: the engine's step number) sampled the very same
@@ -48,7 +66,39 @@ class SamplingBatch:
             self.sampler.set_rows([p.temperature for p in params],
                                   [p.top_k for p in params], [p.top_p for p in params],
                                   [s.seed for s in seqs], [_offset(s) for s in seqs])
+            if self.special or self.watched or self.sampler.processing is not None:
+                self._special_rows(seqs)
             self._seqs = list(seqs)
         self._step = step
         self._first_offset = _offset(seqs[0])
         return self.sampler
+
+    def _special_rows(self, seqs: list[Sequence]) -> None:
+        """Set the processing of the special requests' rows (penalties, min_p on sampled rows,
+        logprobs) and the watched rows, forgetting requests whose samples have all finished."""
+        self.special = {r for r in self.special if any(s.status is not Status.FINISHED for s in r.sequences)}
+        penalties, min_p, logprobs, watched = [], [], [], []
+        for i, seq in enumerate(seqs):
+            if seq.request not in self.special:
+                continue
+            p = seq.request.params
+            if p.penalized:
+                penalties.append(PenaltyRow(i, seq.seq_id, seq.token_ids, seq.prompt_len, seq.pending,
+                                            p.repetition_penalty, p.presence_penalty, p.frequency_penalty))
+            if p.min_p > 0 and p.temperature > 0:
+                min_p.append((i, p.min_p, p.temperature))
+            if p.logprobs is not None:
+                watched.append((seq, len(logprobs)))
+                logprobs.append((i, p.logprobs))
+            elif p.stop:
+                watched.append((seq, -1))
+        self.watched = watched
+        if not (penalties or min_p or logprobs):
+            if self.processing is not None:
+                self.processing.set_rows([], [], [])  # frees the slots
+            self.sampler.processing = None
+            return
+        if self.processing is None:
+            self.processing = RowProcessing(self.vocab_size, self.sampler.device)
+        self.processing.set_rows(penalties, min_p, logprobs)
+        self.sampler.processing = self.processing

@@ -37,7 +37,7 @@ def step_outputs(got: list[Sequence], finished: list[Request], partial: bool, no
             tokens = seq.token_ids
             completion = CompletionOutput(seq.index, None, None, tokenizer,
                                           request.params.skip_special_tokens,
-                                          (tokens, seq.prompt_len, len(tokens)))
+                                          (tokens, seq.prompt_len, len(tokens)), logprobs=seq.logprobs)
             append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                                  [completion], False, request.metrics, request.num_cached_prompt_tokens))
         else:

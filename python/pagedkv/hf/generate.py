@@ -12,13 +12,16 @@ from typing import Any, Literal, overload
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from pagedkv.cache import KVCache
+from pagedkv.hf import beam_search
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument, resolve_generation
+from pagedkv.hf.processing import CallArguments, processed_decode
 from pagedkv.models.registry import attention_window, check_supported
 from pagedkv.runtime.fixed_batch import FixedBatch, GenerationSettings
 from pagedkv.runtime.model import PREPARED_ATTR, device_of, prepared
+from pagedkv.runtime.prefix_reuse import weights_version
 
 
 def _inferred_mask(input_ids: torch.Tensor, settings: GenerationSettings) -> torch.Tensor | None:
@@ -97,7 +100,7 @@ def _check_inputs(model, input_ids) -> None:
 def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
              generation_config: GenerationConfig | None = None, streamer: Any = None,
              use_cuda_graphs: bool | None = None, *, return_dict_in_generate: Literal[True],
-             **kwargs: Any) -> GenerateDecoderOnlyOutput: ...
+             **kwargs: Any) -> GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput: ...
 @overload
 def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
              generation_config: None = None, streamer: Any = None, use_cuda_graphs: bool | None = None,
@@ -105,35 +108,51 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, atte
 @overload
 def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
              generation_config: GenerationConfig | None = None, streamer: Any = None,
-             use_cuda_graphs: bool | None = None, **kwargs: Any) -> torch.Tensor | GenerateDecoderOnlyOutput: ...
+             use_cuda_graphs: bool | None = None,
+             **kwargs: Any) -> torch.Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput: ...
 def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
              generation_config: GenerationConfig | None = None, streamer: Any = None,
-             use_cuda_graphs: bool | None = None, **kwargs: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
+             use_cuda_graphs: bool | None = None,
+             **kwargs: Any) -> torch.Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput:
     """HF ``model.generate`` on pagedkv. input_ids: [B, S] (left-padded, with attention_mask),
     on the model's device. Returns what HF returns: a [B, S + N] tensor of the prompts and the new
-    tokens (pad_token_id after a row's EOS), or a GenerateDecoderOnlyOutput with `sequences` when
-    return_dict_in_generate=True. Settings HF accepts but pagedkv does not implement raise
+    tokens (pad_token_id after a row's EOS), or with return_dict_in_generate=True HF's output
+    object (GenerateBeamDecoderOnlyOutput for num_beams > 1, else GenerateDecoderOnlyOutput) with
+    `sequences`, and `scores`/`logits`/... as asked; its past_key_values is None (pagedkv's own
+    prefix cache keeps the K/V for the next call). Settings HF accepts but pagedkv does not implement raise
     UnsupportedGenerationArgument naming them. use_cuda_graphs: default on for CUDA models.
     The result is an ordinary tensor, as HF's (no_grad), not an inference tensor."""
     with torch.inference_mode():
-        new_tokens, settings = _generate(model, input_ids, attention_mask, generation_config,
-                                         streamer, use_cuda_graphs, kwargs)  # [B, N]
+        new_tokens, settings, outputs = _generate(model, input_ids, attention_mask, generation_config,
+                                                  streamer, use_cuda_graphs, kwargs)  # [B, N]
+    if isinstance(new_tokens, GenerateBeamDecoderOnlyOutput):  # beam search: HF's whole output
+        output = beam_search.plain(new_tokens)
+        return output if settings.return_dict_in_generate else output.sequences
     with torch.no_grad():  # outside inference mode: the concatenation is an ordinary tensor
-        sequences = torch.cat([input_ids, new_tokens.to(input_ids.dtype)], dim=1)
+        rows = _rows(input_ids, settings.num_return_sequences)  # [B * n, S]
+        sequences = torch.cat([rows, new_tokens.to(input_ids.dtype)], dim=1)
     if settings.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
+        return GenerateDecoderOnlyOutput(sequences=sequences, **outputs)
     return sequences
 
 
 def _generate(model, input_ids, attention_mask, generation_config, streamer, use_cuda_graphs,
-              kwargs) -> tuple[torch.Tensor, GenerationSettings]:
-    """The new tokens [B, N] and the call's settings."""
+              kwargs) -> tuple[torch.Tensor, GenerationSettings, dict[str, Any]]:
+    """The new tokens [B * num_return_sequences, N], the call's settings, and the output fields
+    besides `sequences` (scores, logits: the processed path's, hf/processed_decode.py). With
+    num_beams > 1, HF's whole beam output in place of the new tokens."""
     check_supported(model)
     if kwargs.get("inputs_embeds") is not None:
         raise UnsupportedGenerationArgument(
             "pagedkv.generate: inputs_embeds is not supported: pagedkv.generate takes token ids; pass "
             "input_ids (the embeddings are looked up from them on the device)")
+    if kwargs.get("past_key_values") is not None:
+        raise UnsupportedGenerationArgument(
+            "pagedkv.generate: past_key_values is not supported: pagedkv reuses the K/V of earlier "
+            "generate() calls by itself (their prompts' and outputs' full blocks stay in its prefix "
+            "cache); pass the whole conversation as input_ids, without past_key_values")
     _check_inputs(model, input_ids)
+    call = CallArguments.pop_from(kwargs)  # logits_processor, stopping_criteria, ...
     settings = resolve_generation(model, input_ids.shape[1], generation_config, kwargs,
                                   batch_without_mask=attention_mask is None and input_ids.shape[0] > 1)
     inferred_from = None
@@ -147,17 +166,33 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
         raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
                          f"sliding_window is {window}; pagedkv attends to whole contexts, so it "
                          f"runs only sequences within the window (prompt + max_new_tokens <= {window})")
+    beams = settings.num_beams > 1
+    n = settings.num_return_sequences
+    # None: the fast path (no processor, criterion or scores asked for). Rows as HF expands them.
+    decode = None if beams else processed_decode(model, _rows(input_ids, n), _rows(attention_mask, n),
+                                                 generation_config, kwargs, call, settings, streamer)
     state = prepared(model)
     with state.lock:  # one call at a time per model: they share its fixed batch and cache
         if state.fixed_batch is None:
             state.fixed_batch = FixedBatch(state)
-        new_tokens = state.fixed_batch.generate(prompts, input_ids, settings, streamer,
-                                                use_cuda_graphs)  # [B, N]
-    return new_tokens, settings
+        state.fixed_batch.note_weights(weights_version(model))  # cached K/V of older weights go
+        if beams:  # HF's beam search, each beam a fork on the cache (hf/beam_search.py)
+            return beam_search.beam_search(model, state.fixed_batch, prompts, input_ids, attention_mask,
+                                           generation_config, kwargs, call, settings, streamer), settings, {}
+        new_tokens = state.fixed_batch.generate(prompts, _rows(input_ids, n), settings, streamer,
+                                                use_cuda_graphs, decode_loop=decode)  # [B, N]
+    outputs = {} if decode is None else {"scores": decode.scores, "logits": decode.logits}
+    return new_tokens, settings, outputs
+
+
+def _rows(tensor: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """[B, ...] -> [B * n, ...], each row n times (HF's expansion for num_return_sequences)."""
+    return tensor if tensor is None or n == 1 else tensor.repeat_interleave(n, dim=0)
 
 
 def kv_cache_of(model) -> KVCache | None:
     """The KV cache generate() runs `model` on (None before its first call). Between calls it
-    holds no sequence and all its blocks are free: ``cache.num_free_blocks == cache.num_blocks``."""
+    holds no sequence; its blocks are free or cached (earlier calls' K/V, evictable: handed out
+    when a call needs them), so ``cache.num_free_blocks == cache.num_blocks``."""
     state = getattr(model, PREPARED_ATTR, None)
     return None if state is None or state.fixed_batch is None else state.fixed_batch.cache

@@ -8,40 +8,57 @@ values come in the forms arguments.py takes (NumPy ints, 0-d tensors, ...).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from typing import Any
 
 from transformers import GenerationConfig
+from transformers.generation.utils import GenerationMixin
 
 from pagedkv.hf import arguments
 from pagedkv.runtime.fixed_batch import GenerationSettings
 
+# Settings the processed decode path runs with HF's own logits processors and stopping criteria
+# (hf/processing.py, hf/processed_decode.py); the other supported ones run on the fast path too.
+PROCESSED_FIELDS = frozenset({
+    "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "bad_words_ids", "suppress_tokens",
+    "begin_suppress_tokens", "sequence_bias", "renormalize_logits", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "watermarking_config", "max_time", "stop_strings", "output_scores", "output_logits",
+})
 # Settings pagedkv implements; any other field that differs from HF's global default is refused.
-SUPPORTED_FIELDS = frozenset({
+SUPPORTED_FIELDS = PROCESSED_FIELDS | frozenset({
     "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature",
     "top_k", "top_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id",
-    "return_dict_in_generate", "use_cache", "num_beams", "num_return_sequences",
-    # Carried by many checkpoints' generation_config.json; they change nothing in greedy/sampling.
-    "transformers_version", "_from_model_config", "early_stopping", "length_penalty",
+    "return_dict_in_generate", "use_cache", "num_beams", "num_return_sequences", "early_stopping",
+    "length_penalty",
+    # Carried by many checkpoints' generation_config.json; they change nothing.
+    "transformers_version", "_from_model_config",
     "cache_implementation", "disable_compile", "compile_config",
 })
 # What a refusal lists as supported: the settings a user passes (not the fields above that
 # checkpoints carry and that change nothing).
-USER_SETTINGS = sorted(SUPPORTED_FIELDS - {"transformers_version", "_from_model_config", "early_stopping",
-                                           "length_penalty", "cache_implementation", "disable_compile",
-                                           "compile_config", "use_cache", "num_beams",
-                                           "num_return_sequences"})
+USER_SETTINGS = sorted(SUPPORTED_FIELDS - {"transformers_version", "_from_model_config",
+                                           "cache_implementation", "disable_compile",
+                                           "compile_config", "use_cache"})
 # Fields whose only accepted value is HF's default (checked above for everything else).
-_MUST_BE = {"use_cache": True, "num_beams": 1, "num_return_sequences": 1}
-# Where a refused value has another way in pagedkv.
-_INSTEAD = {"num_return_sequences": "For several samples of a prompt use pagedkv.LLM with "
-                                    "SamplingParams(n={value})"}
+_MUST_BE = {"use_cache": True}
 # Settings read below, in the forms arguments.py takes.
 _VALUE_FIELDS = arguments.INTEGER_FIELDS + arguments.REAL_FIELDS + arguments.FLAG_FIELDS + ("eos_token_id",)
 
 
 class UnsupportedGenerationArgument(ValueError):
     """A generate() argument or generation-config setting that pagedkv does not implement."""
+
+
+@functools.cache
+def hf_penalizes_padding() -> bool:
+    """Whether the installed transformers' generate counts a row's left padding as tokens of the
+    prompt for repetition_penalty: up to 5.1x it does; later versions pass the padding lengths
+    from the attention mask to RepetitionPenaltyLogitsProcessor (prompt_ignore_length)."""
+    return "prompt_ignore_length" not in inspect.getsource(GenerationMixin._get_logits_processor)
 
 
 def _global_defaults() -> dict[str, Any]:
@@ -62,20 +79,27 @@ def _equal(value: Any, default: Any) -> bool:
         return False
 
 
+def is_off(value: Any, default: Any) -> bool:
+    """A setting that asks for nothing: unset, False, HF's default, or an empty collection."""
+    return (value is None or value is False or _equal(value, default)
+            or (isinstance(value, (dict, list, tuple)) and not value))
+
+
+def settings_in_use(config: GenerationConfig, names: frozenset[str]) -> list[str]:
+    """The settings among `names` that config sets to something other than off."""
+    defaults = _global_defaults()
+    return [name for name in sorted(names) if not is_off(getattr(config, name, None), defaults.get(name))]
+
+
 def _check_fields(config: GenerationConfig) -> None:
     """Refuse, naming it, a setting pagedkv does not implement."""
     defaults = _global_defaults()
     for name, value in config.to_dict().items():
         default = defaults.get(name)
         if name in _MUST_BE and value is not None and not _equal(value, _MUST_BE[name]):
-            instead = _INSTEAD.get(name)
             raise UnsupportedGenerationArgument(
-                f"pagedkv.generate: {name}={value!r} is not supported; allowed: {_MUST_BE[name]!r}"
-                + ("" if instead is None else ". " + instead.format(value=value))
-            )
-        is_off = (value is None or value is False or _equal(value, default)
-                  or (isinstance(value, (dict, list, tuple)) and not value))
-        if name not in SUPPORTED_FIELDS and not is_off:
+                f"pagedkv.generate: {name}={value!r} is not supported; allowed: {_MUST_BE[name]!r}")
+        if name not in SUPPORTED_FIELDS and not is_off(value, default):
             raise UnsupportedGenerationArgument(
                 f"pagedkv.generate: generation setting {name}={value!r} is not supported "
                 f"(HF default: {default!r}); supported settings: {USER_SETTINGS}"
@@ -145,7 +169,8 @@ def resolve_generation(
     if leftover:
         raise UnsupportedGenerationArgument(
             f"pagedkv.generate: unsupported argument(s) {sorted(leftover)}; supported: input_ids, "
-            f"attention_mask, generation_config, streamer and the generation settings {USER_SETTINGS}"
+            f"attention_mask, generation_config, streamer, logits_processor, stopping_criteria, "
+            f"prefix_allowed_tokens_fn, tokenizer and the generation settings {USER_SETTINGS}"
         )
     _check_fields(config)
     values = arguments.normalized({name: getattr(config, name, None) for name in _VALUE_FIELDS})
@@ -181,4 +206,17 @@ def resolve_generation(
         max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_ids, pad_token_id=pad,
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         repetition_penalty=penalty, return_dict_in_generate=bool(values["return_dict_in_generate"]),
+        penalize_padding=hf_penalizes_padding(), **_beams(config),
     )
+
+
+def _beams(config: GenerationConfig) -> dict[str, int]:
+    """num_return_sequences and num_beams (HF's validation checked how they combine: n > 1
+    needs sampling or beams, n <= num_beams with beams)."""
+    counts = {name: arguments.integer(name, getattr(config, name, None))
+              for name in ("num_return_sequences", "num_beams")}
+    counts = {name: 1 if value is None else value for name, value in counts.items()}
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"pagedkv.generate: {name}={value}; it must be >= 1")
+    return counts

@@ -19,8 +19,10 @@ from torch.profiler import record_function
 
 from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, free_memory_bytes
 from pagedkv.runtime.decode_state import DecodeState
+from pagedkv.runtime.logits_step import LogitsStep
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import call_digest
+from pagedkv.runtime.prefix_reuse import keep_rows
 from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, cuda_graphs_wanted
 from pagedkv.runtime.sampler import Sampler
 
@@ -41,6 +43,12 @@ class GenerationSettings:
     top_p: float
     repetition_penalty: float
     return_dict_in_generate: bool
+    # Rows per prompt: HF's num_return_sequences (sampled rows r*n .. r*n+n-1 of prompt r fork
+    # its prefilled blocks); num_beams > 1 runs hf/beam_search.py instead of this batch.
+    num_return_sequences: int = 1
+    num_beams: int = 1
+    # repetition_penalty counts the rows' left padding as prompt tokens (transformers <= 5.1x)
+    penalize_padding: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,14 +64,24 @@ class _GraphKey:
 
 
 class FixedBatch:
-    """generate()'s runner for one prepared model: its own cache (no prefix caching: generate
-    keeps nothing between calls), re-made larger when a call needs more blocks."""
+    """generate()'s runner for one prepared model: its own cache, re-made larger when a call
+    needs more blocks. Between calls it holds no row; finished rows' full blocks stay in its
+    prefix cache (evictable, so still free) for a later prompt that extends them
+    (runtime/prefix_reuse.py)."""
 
     def __init__(self, model: PreparedModel):
         self.model = model
         self.runner: ModelRunner | None = None
         # Graph key -> (state, sampler): buffers the key's captured step reads and writes.
         self._buffers: dict[_GraphKey, tuple[DecodeState, Sampler]] = {}
+        self._weights_version: int | None = None  # of the weights the cached K/V came from
+
+    def note_weights(self, version: int) -> None:
+        """Drop the cached K/V when the weights were written in place since the last call
+        (version: prefix_reuse.weights_version of the HF model, read before each call)."""
+        if version != self._weights_version and self.runner is not None:
+            self.runner.cache.drop_prefix_cache()
+        self._weights_version = version
 
     @property
     def cache(self) -> KVCache | None:
@@ -71,9 +89,12 @@ class FixedBatch:
 
     def generate(self, prompts: list[list[int]], input_ids: torch.Tensor,
                  settings: GenerationSettings, streamer=None,
-                 use_cuda_graphs: bool | None = None) -> torch.Tensor:
-        """Returns the new tokens [B, N] (pad after EOS), N <= settings.max_new_tokens.
-        use_cuda_graphs: default on for CUDA models."""
+                 use_cuda_graphs: bool | None = None, decode_loop=None) -> torch.Tensor:
+        """Returns the new tokens [B * n, N] (pad after EOS), N <= settings.max_new_tokens, n =
+        settings.num_return_sequences; input_ids [B * n, S]: each prompt's row n times, as HF expands.
+        use_cuda_graphs: default on for CUDA models. decode_loop: the processed path (HF's
+        processors, hf/processed_decode.py): decode_loop(prefill logits [B, V], step) -> [B, N],
+        step(tokens [B]) -> logits [B, V] (a LogitsStep); None: the captured sample-in-graph steps."""
         model = self.model
         graphs = cuda_graphs_wanted(use_cuda_graphs, model.device, "pagedkv.generate")
         max_new = settings.max_new_tokens
@@ -86,16 +107,28 @@ class FixedBatch:
             model.tp.check_same("prompts or generation settings", call_digest(prompts, settings))
         # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
-        num_blocks = sum(math.ceil((len(p) + max_new) / BLOCK_SIZE) for p in prompts)
-        runner = self._runner_for(num_blocks, len(prompts), sum(map(len, prompts)), longest)
-        runner.cache.free_all()  # rows of a call interrupted in its own clean-up (none kept)
-        seq_ids = list(range(len(prompts)))
+        # The n rows of a prompt (num_return_sequences) share its full blocks; each has the rest.
+        n = settings.num_return_sequences
+        num_blocks = sum(len(p) // BLOCK_SIZE + n * (math.ceil((len(p) + max_new) / BLOCK_SIZE)
+                                                     - len(p) // BLOCK_SIZE) for p in prompts)
+        runner = self._runner_for(num_blocks, len(prompts) * n, sum(map(len, prompts)), longest)
+        # Rows of a call interrupted in its own clean-up; their K/V may be unwritten.
+        runner.cache.free_all(keep_cached=False)
+        seq_ids = list(range(len(prompts) * n))
         try:
-            return self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs)
-        finally:
-            runner.cache.free_all()  # generate keeps no row between calls
+            new_tokens = self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs,
+                                   decode_loop)  # [B * n, N]
+            keep_rows(runner.cache, seq_ids, new_tokens, settings.eos_token_ids)
+        except BaseException:
+            runner.cache.free_all(keep_cached=False)  # blocks whose K/V may never have been written
+            raise
+        return new_tokens
 
     # -- the cache ---------------------------------------------------------------------------
+    def runner_for(self, num_blocks: int, rows: int, prompt_tokens: int, longest: int) -> ModelRunner:
+        """_runner_for, for callers that run their own eager steps on this cache (beam search)."""
+        return self._runner_for(num_blocks, rows, prompt_tokens, longest)
+
     def _runner_for(self, num_blocks: int, rows: int, prompt_tokens: int, longest: int) -> ModelRunner:
         """A runner whose cache has num_blocks blocks and room for this prefill's metadata: the
         current one if it does. Its decode steps are this module's (graphs or not, per call)."""
@@ -107,13 +140,15 @@ class FixedBatch:
         w = model.weights
         spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, model.dtype, BLOCK_SIZE)
         self._check_memory(spec, num_blocks, rows, longest)
+        if runner is not None:
+            num_blocks = self._grown(spec, num_blocks, runner.cache.num_blocks)
         # The old cache and its graphs go before the new cache is allocated (the buffers first:
         # interrupted between the two, the old runner stays whole).
         self._buffers.clear()
         runner = self.runner = None
         cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
                         device=model.device, block_size=spec.block_size, num_blocks=num_blocks,
-                        max_seq_len=model.max_positions, enable_prefix_caching=False,
+                        max_seq_len=model.max_positions, enable_prefix_caching=True,
                         max_batch_size=max(rows, 256),
                         max_step_tokens=max(prompt_tokens, model.max_positions, 256))
         self.runner = ModelRunner(model, cache, use_cuda_graphs=False)
@@ -136,6 +171,19 @@ class FixedBatch:
                             f"({needed / 2**20:.1f} MiB: {rows} rows of up to {longest} tokens, prompt + "
                             f"max_new_tokens) but {self.model.device} has {free / 2**20:.1f} MiB free; "
                             "generate fewer rows or fewer new tokens per call. Nothing was run.")
+
+    def _grown(self, spec: KVCacheSpec, num_blocks: int, old_blocks: int) -> int:
+        """The size of a re-made cache: at least twice the old one where that fits the device (on
+        every rank), so that a conversation growing turn by turn re-makes it, and loses its cached
+        blocks, only a logarithmic number of times."""
+        doubled = 2 * old_blocks
+        if doubled <= num_blocks:
+            return num_blocks
+        free = free_memory_bytes(self.model.device)
+        fits = free is None or doubled * spec.bytes_per_block <= free + self.cache.kv.nbytes
+        if self.model.tp is not None:
+            fits = self.model.tp.all_true(fits)
+        return doubled if fits else num_blocks
 
     # -- decode steps ------------------------------------------------------------------------
     def _decode_step(self, runner: ModelRunner, key: _GraphKey, settings: GenerationSettings,
@@ -166,18 +214,28 @@ class FixedBatch:
         return replay, state, sampler
 
     def _run(self, runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]],
-             input_ids: torch.Tensor, settings: GenerationSettings, streamer, graphs: bool):
+             input_ids: torch.Tensor, settings: GenerationSettings, streamer, graphs: bool,
+             decode_loop=None):
         cache = runner.cache
-        batch, max_new = len(prompts), settings.max_new_tokens
-        lens = [len(p) for p in prompts]
+        n = settings.num_return_sequences  # rows r*n .. r*n+n-1 are prompt r's, as HF expands them
+        batch, max_new = len(seq_ids), settings.max_new_tokens
+        lens = [len(p) for p in prompts for _ in range(n)]  # [B * n] per row
+        firsts = seq_ids[::n]  # each prompt's first row: the one prefilled
         with record_function("metadata"):
-            for sid, prompt in zip(seq_ids, prompts):
-                cache.add_sequence(sid, prompt)
+            # Leading tokens found in the prefix cache (an earlier call's K/V) are not computed again.
+            cached = [cache.add_sequence(sid, prompt) for sid, prompt in zip(firsts, prompts)]
         # The prompts run as one step of the runner, before the generation's slots are reserved
-        # (a row's new tokens are its last ones: the prompt's, here).
+        # (a row's new tokens are its last ones: the prompt's past its cached blocks, here).
         with record_function("prefill"):
-            last = list(itertools.accumulate(lens, initial=-1))[1:]  # each prompt's last token
-            logits = runner.run(StepInput(seq_ids, [t for p in prompts for t in p], lens, last))  # [B, V]
+            query = [len(p) - c for p, c in zip(prompts, cached)]  # [B]
+            last = list(itertools.accumulate(query, initial=-1))[1:]  # each prompt's last token
+            tokens = list(itertools.chain.from_iterable([p[c:] for p, c in zip(prompts, cached)]))
+            logits = runner.run(StepInput(firsts, tokens, query, last))  # [B, V]
+        if n > 1:  # a prompt's other rows fork its blocks (reserve copies a shared partial one)
+            for sid in seq_ids:
+                if sid % n:
+                    cache.fork(sid - sid % n, sid)
+            logits = logits.repeat_interleave(n, dim=0)  # [B * n, V]
         with record_function("metadata"):
             for sid in seq_ids:
                 cache.reserve(sid, max_new)
@@ -187,6 +245,10 @@ class FixedBatch:
             rows = bucket(batch) if graphs else batch
             key = _GraphKey(rows, max_blocks, settings.do_sample, settings.repetition_penalty,
                             settings.min_new_tokens, settings.eos_token_ids)
+        if decode_loop is not None:
+            step = LogitsStep(runner, rows, max_blocks, BLOCK_SIZE, graphs)
+            step.start(lens, tables)
+            return decode_loop(logits, step)
         replay, state, sampler = self._decode_step(runner, key, settings, graphs)
         with record_function("metadata"):
             table_host = torch.zeros(batch, max_blocks, dtype=torch.int32)
@@ -198,9 +260,15 @@ class FixedBatch:
                 sampler.seeds[:batch].copy_(torch.randint(0, 2**62, (batch,)))
                 if self.model.tp is not None:  # every rank samples with the first rank's seeds
                     self.model.tp.broadcast_(sampler.seeds)
-            if state.seen is not None:  # HF penalizes every id of the (padded) input rows
+            if state.seen is not None:  # the prompt ids HF's repetition penalty counts
                 state.seen.zero_()
-                state.seen[:batch].scatter_(1, input_ids.long(), True)
+                ids = input_ids.long()  # [batch, width], left-padded
+                if not settings.penalize_padding:  # a row's padding reads as its last token
+                    width = ids.shape[1]
+                    pads = torch.tensor([width - n for n in lens], device=ids.device)  # [batch]
+                    padding = torch.arange(width, device=ids.device) < pads.unsqueeze(1)
+                    ids = torch.where(padding, ids[:, -1:], ids)
+                state.seen[:batch].scatter_(1, ids, True)
         if rows > batch:
             logits = torch.cat([logits, logits.new_zeros(rows - batch, logits.shape[1])])
         first = sampler(logits, state.generated, state.seen)

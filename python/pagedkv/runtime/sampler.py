@@ -10,7 +10,8 @@ sequences that sample (SamplingBatch), and for an unchanged batch only moves the
 
 Logits processors of HF's greedy/sample loop, in HF's order and arithmetic, before sampling:
 repetition penalty, then min_new_tokens' EOS suppression (temperature, top-k and top-p are the
-sampling op's own).
+sampling op's own). The engine's requests may also ask for per-row penalties, min_p and logprobs
+(row_processing.py): set as `processing` for the steps that have such rows, else None.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from pagedkv import ops
+from pagedkv.runtime.row_processing import RowProcessing
 
 # The kernels take top_k as int32 and keep every token for top_k >= the vocabulary size (< 2**31),
 # so a larger top_k is top_k off either way: stored as this, exactly equivalent.
@@ -57,6 +59,7 @@ class Sampler:
         self.min_new_tokens = min_new_tokens if eos_token_ids else 0
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=device)  # [E]
         self.all_greedy = True  # every row at temperature 0: plain argmax, no parameters read
+        self.processing: RowProcessing | None = None  # the engine's per-row processing, if a row has any
 
     def _allocate(self, rows: int) -> None:
         device = self.device
@@ -117,8 +120,15 @@ class Sampler:
                 apply_repetition_penalty(logits, seen[:n], self.repetition_penalty)
             if suppress:
                 suppress_eos(logits, self.eos_ids, generated[:n], self.min_new_tokens)
+            processing = self.processing
+            if processing is not None:
+                logits = processing.before_sampling(logits)
             out = self.next_tokens[:n]
             if self.all_greedy:
-                return ops.sample(logits, out=out)
-            return ops.sample(logits, self.temperatures[:n], self.top_k[:n], self.top_p[:n],
-                              self.seeds[:n], self.offsets[:n], out=out)
+                ops.sample(logits, out=out)
+            else:
+                ops.sample(logits, self.temperatures[:n], self.top_k[:n], self.top_p[:n],
+                           self.seeds[:n], self.offsets[:n], out=out)
+            if processing is not None:
+                processing.after_sampling(out)
+            return out
