@@ -8,6 +8,7 @@ import torch
 import pagedkv
 from conftest import DEVICES
 from models import ARCHITECTURES, tiny_model
+from recording_streamer import RecordingStreamer
 
 
 def left_padded_batch(lengths, vocab, device, pad=0):
@@ -68,19 +69,9 @@ def test_min_new_tokens_and_repetition_penalty_like_hf():
 
 
 def test_streamer_sees_the_returned_tokens():
-    class Recorder:
-        def __init__(self):
-            self.chunks, self.ended = [], False
-
-        def put(self, value):
-            self.chunks.append(value.clone())
-
-        def end(self):
-            self.ended = True
-
     model = tiny_model("qwen3")
     ids, _ = left_padded_batch([8], model.config.vocab_size, "cpu")
-    recorder = Recorder()
+    recorder = RecordingStreamer()
     out = pagedkv.generate(model, ids, max_new_tokens=10, do_sample=False, streamer=recorder)
     assert recorder.ended
     assert torch.equal(recorder.chunks[0], ids.cpu())

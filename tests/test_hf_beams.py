@@ -17,6 +17,7 @@ from pagedkv.runtime.runner import ModelRunner
 from conftest import DEVICES
 from limits import assert_cache_clean, assert_generate_works, gen, model  # noqa: F401 (gen: fixture)
 from models import tiny_model
+from recording_streamer import RecordingStreamer
 
 
 def hf(m, ids, **kwargs):
@@ -206,16 +207,9 @@ def test_refused_beam_settings_leave_generate_working(gen, kwargs, error, match)
 
 
 def test_streamer_with_beams_is_refused_like_hf(gen):
-    class Recorder:
-        def put(self, value):
-            pass
-
-        def end(self):
-            pass
-
     ids, mask = batch([4])
     with pytest.raises(ValueError, match="streamer.* cannot be used with beam search"):
-        gen(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, streamer=Recorder())
+        gen(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, streamer=RecordingStreamer())
     assert_generate_works(gen)
 
 

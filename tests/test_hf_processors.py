@@ -17,6 +17,7 @@ import pagedkv
 from conftest import DEVICES
 from limits import assert_generate_works, gen, model, prompt  # noqa: F401 (gen: fixture)
 from models import tiny_model
+from recording_streamer import RecordingStreamer
 
 A, B = prompt(7, seed=1), prompt(4, seed=2)
 IDS = torch.tensor([A, [0] * 3 + B])  # [2, 7], row 1 left-padded
@@ -197,16 +198,6 @@ def test_max_time_like_hf(gen):
 
 
 def test_processed_path_streams_and_runs_the_processor_each_step(gen):
-    class Recorder:
-        def __init__(self):
-            self.chunks, self.ended = [], False
-
-        def put(self, value):
-            self.chunks.append(value.clone())
-
-        def end(self):
-            self.ended = True
-
     seen: list[int] = []
 
     class Count(LogitsProcessor):
@@ -214,7 +205,7 @@ def test_processed_path_streams_and_runs_the_processor_each_step(gen):
             seen.append(input_ids.shape[1])
             return scores
 
-    recorder = Recorder()
+    recorder = RecordingStreamer()
     out = ours(gen, **GREEDY, logits_processor=[Count()], streamer=recorder)
     assert torch.equal(out, plain())
     assert seen == list(range(S, S + 8))  # HF's input_ids: the prompt, then one more per step

@@ -14,6 +14,7 @@ from pagedkv.runtime.runner import ModelRunner
 from conftest import DEVICES
 from limits import assert_cache_clean, assert_generate_works, gen, model  # noqa: F401 (gen: fixture)
 from models import tiny_model
+from recording_streamer import RecordingStreamer
 from test_hf_beams import batch, hf
 
 
@@ -105,19 +106,9 @@ def test_processed_path_rows_match_hf_for_a_seed():
 
 
 def test_streamer_sees_the_expanded_rows_like_hf():
-    class Recorder:
-        def __init__(self):
-            self.chunks = []
-
-        def put(self, value):
-            self.chunks.append(value.clone())
-
-        def end(self):
-            pass
-
     m = model()
     ids, mask = batch([5])
-    recorder = Recorder()
+    recorder = RecordingStreamer()
     out = pagedkv.generate(m, ids, attention_mask=mask, max_new_tokens=4, do_sample=True,
                            num_return_sequences=2, eos_token_id=None, streamer=recorder)
     assert torch.equal(recorder.chunks[0], ids.repeat_interleave(2, dim=0))  # as HF puts them

@@ -28,8 +28,7 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 from pagedkv.hf import arguments
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument
 from pagedkv.hf.processing import CallArguments
-from pagedkv.runtime.fixed_batch import BLOCK_SIZE, FixedBatch, GenerationSettings
-from pagedkv.runtime.parallel import call_digest
+from pagedkv.runtime.fixed_batch import BLOCK_SIZE, FixedBatch, GenerationSettings, check_call
 from pagedkv.runtime.runner import ModelRunner, StepInput
 
 
@@ -113,13 +112,7 @@ def beam_search(model, fixed_batch: FixedBatch, prompts: list[list[int]], input_
     num_beams, batch, width = config.num_beams, *input_ids.shape
     device = input_ids.device
     max_new = settings.max_new_tokens
-    longest = max(len(p) for p in prompts) + max_new
-    if longest > prepared.max_positions:
-        raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
-                         f"max_position_embeddings is {prepared.max_positions}; prompt + "
-                         f"max_new_tokens must be <= {prepared.max_positions}")
-    if prepared.tp is not None:
-        prepared.tp.check_same("prompts or generation settings", call_digest(prompts, settings, config))
+    longest = check_call(prepared, prompts, settings, config)
     cfg = _hf_config(model, config, width, max_new, device, batch)
     expanded_mask = None  # HF's processors see the mask expanded to the beams, none when all ones
     if attention_mask is not None and not bool((attention_mask == 1).all()):

@@ -63,6 +63,20 @@ class _GraphKey:
     eos_ids: tuple[int, ...]
 
 
+def check_call(model: PreparedModel, prompts: list[list[int]], settings: GenerationSettings,
+               *more) -> int:
+    """Refuse a call whose rows would pass the model's positions; under tensor parallelism, one
+    whose prompts or settings (and `more`) differ between ranks. Returns the longest row."""
+    longest = max(len(p) for p in prompts) + settings.max_new_tokens
+    if longest > model.max_positions:
+        raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
+                         f"max_position_embeddings is {model.max_positions}; prompt + "
+                         f"max_new_tokens must be <= {model.max_positions}")
+    if model.tp is not None:
+        model.tp.check_same("prompts or generation settings", call_digest(prompts, settings, *more))
+    return longest
+
+
 class FixedBatch:
     """generate()'s runner for one prepared model: its own cache, re-made larger when a call
     needs more blocks. Between calls it holds no row; finished rows' full blocks stay in its
@@ -98,13 +112,7 @@ class FixedBatch:
         model = self.model
         graphs = cuda_graphs_wanted(use_cuda_graphs, model.device, "pagedkv.generate")
         max_new = settings.max_new_tokens
-        longest = max(len(p) for p in prompts) + max_new
-        if longest > model.max_positions:
-            raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
-                             f"max_position_embeddings is {model.max_positions}; prompt + "
-                             f"max_new_tokens must be <= {model.max_positions}")
-        if model.tp is not None:
-            model.tp.check_same("prompts or generation settings", call_digest(prompts, settings))
+        longest = check_call(model, prompts, settings)
         # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
         # The n rows of a prompt (num_return_sequences) share its full blocks; each has the rest.
