@@ -72,7 +72,7 @@ UNSUPPORTED = {
     "alibi (bloom)": (lambda: BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)),
                       r"model_type 'bloom' is not supported; supported: llama"),
     "sliding-window layers": (
-        lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=True, max_window_layers=0)),
+        lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, layer_types=["sliding_attention"])),
         r"layer_types \['sliding_attention'\] are not supported; supported: full_attention"),
     "dynamic rope": (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
                      r"rope type 'dynamic' is not supported; supported: default, linear, llama3, yarn"),

@@ -29,7 +29,7 @@ def test_supported_architectures(config_cls, model_cls):
     (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, hidden_act="gelu")), r"hidden_act='gelu'"),
     (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
      r"rope type 'dynamic' is not supported"),
-    (lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=True, max_window_layers=1)),
+    (lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, layer_types=["full_attention", "sliding_attention"])),
      r"layer_types \['full_attention', 'sliding_attention'\] are not supported"),
     (lambda: LlamaForCausalLM(LlamaConfig(**SMALL)).to(torch.float64),
      r"parameter dtypes \['torch.float64'\] are not supported"),

@@ -135,9 +135,21 @@ def read_shard(model, reader: TensorReader, rank: int, world_size: int, device: 
     s = rank_slices(rank, world_size, config.num_attention_heads, config.num_key_value_heads, attn0.head_dim,
                     int(config.intermediate_size), vocab)
 
+    hd, inter = attn0.head_dim, int(config.intermediate_size)
+    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    # Phi-3's fused tensors as stored: the split's rows of q/k/v (gate/up) at their offsets in them.
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q_rows), "v_proj": ("qkv_proj", q_rows + kv_rows),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", inter)}
+
     def part(name: str, rows: slice, cols: slice | None) -> torch.Tensor | None:
         if tied and name == "lm_head.weight":
             name = "model.embed_tokens.weight"
+        at, _, kind = name.rpartition(".")
+        stem, _, proj = at.rpartition(".")
+        if name not in params and proj in fused:
+            into, offset = fused[proj]
+            name = f"{stem}.{into}.{kind}"
+            rows = slice(rows.start + offset, rows.stop + offset)  # the split's rows are concrete
         param = params.get(name)
         if param is None:
             return None

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) on pagedkv ops, HF's weights.
+"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, ...: models/registry.py) on
+pagedkv ops, HF's weights.
 
 One forward runs a flat batch of tokens: prefill chunks and decode tokens alike are rows of
 `input_ids [T]`; where each token's K/V go and what each query attends to comes from the step's
@@ -70,7 +71,7 @@ def _fuse_rows(linears: list[torch.nn.Linear], with_bias: bool) -> tuple[torch.T
 
 
 def extract_weights(model) -> DecoderWeights:
-    """Take (and fuse, in place) the weights of an HF Llama/Qwen2/Qwen3/Mistral *ForCausalLM.
+    """Take (and fuse, in place) the weights of an HF Llama-family *ForCausalLM (registry.py's types).
     Call once per model (runtime/model.py keeps the result): weights written in place later
     (load_state_dict, optimizer steps) are seen, being HF's own tensors; new tensors, modules,
     dtypes or devices are not, so runtime/model.py takes the weights again when the model's
@@ -81,9 +82,13 @@ def extract_weights(model) -> DecoderWeights:
     layers = []
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        with_bias = attn.q_proj.bias is not None
-        qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], with_bias)
-        gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj], False)
+        if "qkv_proj" in attn._modules:  # Phi-3 stores them fused already: [q; k; v], [gate; up]
+            qkv = attn.qkv_proj.weight.detach()
+            qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach()
+            gate_up = mlp.gate_up_proj.weight.detach()
+        else:
+            qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], attn.q_proj.bias is not None)
+            gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj], False)
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         layers.append(LayerWeights(

@@ -7,7 +7,33 @@ from torch import nn
 
 from pagedkv.layers.rotary import rope_type
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Llama's decoder under other names: the same layers, norms, activation and rotary layout (read
+# from each type's HF modeling file). internlm3 and iquestcoder are LlamaForCausalLM with their own
+# config; phi3 stores QKV and gate/up fused (FUSED_QKV_GATE_UP). Types transformers lacks never occur.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "ministral", "cwm", "seed_oss",
+                         "internlm3", "iquestcoder")
+FUSED_QKV_GATE_UP = ("phi3",)  # self_attn.qkv_proj [q; k; v] and mlp.gate_up_proj [gate; up] as stored
+# Llama-like types whose decoder computes something else, by what differs (a new kernel or formula).
+OTHER_DECODERS = {
+    "helium": "its rotary embedding rotates interleaved pairs of dimensions (pagedkv: halves)",
+    "ernie4_5": "its rotary embedding rotates interleaved pairs of dimensions (pagedkv: halves)",
+    "hunyuan_v1_dense": "its query/key RMSNorm comes after the rotary embedding (Qwen3's: before)",
+    "smollm3": "some layers have no rotary embedding (NoPE layers)",
+    "ministral3": "queries are scaled by position (llama_4_scaling_beta)",
+    "granite": "embedding, residual, attention and logits multipliers",
+    "hyperclovax": "embedding, residual, attention and logits multipliers, and post-norms",
+    "olmo2": "its norms come after the attention and MLP outputs, q/k norms over all heads",
+    "exaone4": "its norms come after the attention and MLP outputs",
+    "gemma": "RMSNorm scales by (1 + weight), GELU MLP, scaled embeddings",
+    "arcee": "its MLP has no gate (up -> ReLU^2 -> down)",
+    "jais2": "LayerNorm instead of RMSNorm, ReLU^2 MLP without a gate",
+    "apertus": "xIELU activation, MLP without a gate",
+    "olmo": "LayerNorm without weights, clip_qkv",
+    "mixtral": "a mixture-of-experts MLP",
+    "qwen2_moe": "a mixture-of-experts MLP",
+    "qwen3_moe": "a mixture-of-experts MLP",
+    "youtu": "multi-head latent attention (DeepSeek-V3's)",
+}
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rotary variants whose cos/sin depend only on the position (built once, up front); "dynamic"
 # and "longrope" change with the running sequence length, which a precomputed table cannot follow.
@@ -27,7 +53,8 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"model_type {model_type!r} is not supported; supported: "
+        differs = f" ({OTHER_DECODERS[model_type]})" if model_type in OTHER_DECODERS else ""
+        return (f"model_type {model_type!r} is not supported{differs}; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     if not hasattr(model, "model") or not hasattr(model, "lm_head"):
         return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
@@ -47,9 +74,12 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     reason = _module_reason(model)
     if reason is not None:
         return reason
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return f"layer_types {sorted(set(layer_types))} are not supported; supported: full_attention"
+    # A sliding-window layer equals a full one within its window, and attention_window() keeps
+    # sequences within it (Mistral's, Ministral's and CWM's layers).
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    allowed = {"full_attention", "sliding_attention"} if attention_window(model) else {"full_attention"}
+    if layer_types - allowed:
+        return f"layer_types {sorted(layer_types)} are not supported; supported: {', '.join(sorted(allowed))}"
     params = list(model.parameters())
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
@@ -73,6 +103,7 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
 
 # The modules of each decoder layer that pagedkv takes weights from, by parent; nn.Linear exactly.
 _LAYER_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+_FUSED_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
 
 def _module_reason(model) -> str | None:
@@ -81,13 +112,14 @@ def _module_reason(model) -> str | None:
     Linear) would be silently left out, so it is refused. Reads _modules directly: this runs on
     every generate() call, and nn.Module.__getattr__ is slow."""
     inner = model.model
+    linears_of = _FUSED_LINEARS if model.config.model_type in FUSED_QKV_GATE_UP else _LAYER_LINEARS
     path = [("model.embed_tokens", inner._modules.get("embed_tokens"), nn.Embedding),
             ("lm_head", model._modules.get("lm_head"), nn.Linear), ("model.norm", inner._modules.get("norm"), None)]
     for i, layer in enumerate(inner._modules["layers"]):
         at, subs = f"model.layers.{i}", layer._modules
         path.append((at, layer, None))
         path += [(f"{at}.{n}", subs.get(n), None) for n in ("input_layernorm", "post_attention_layernorm")]
-        for parent, names in _LAYER_LINEARS.items():
+        for parent, names in linears_of.items():
             block = subs.get(parent)
             path.append((f"{at}.{parent}", block, None))
             linears = {} if block is None else block._modules

@@ -151,9 +151,11 @@ class PreparedModel:
                 if tp is not None:
                     weights = shard_weights(weights, tp.rank, tp.world_size, tp.device)
             max_positions = int(model.config.max_position_embeddings)
-            # A skeleton's rotary module is on meta too: a fresh one from the config then.
+            # A skeleton's rotary module is on meta too: a fresh one of its class (on the CPU, as HF
+            # builds it; the class, since a config's model_type may not name its module: internlm3).
+            rotary = model.model.rotary_emb
             cos_sin = build_cos_sin_cache(model.config, max_positions, device,
-                                          rotary_emb=None if param.is_meta else model.model.rotary_emb)
+                                          rotary_emb=type(rotary)(model.config) if param.is_meta else rotary)
         logger.info("took the weights of %s: %s on %s, %.1f MB%s", type(model).__name__,
                     str(param.dtype).removeprefix("torch."), device, weight_bytes(weights) / 1e6,
                     "" if tp is None else f" (rank {tp.rank} of {tp.world_size}'s shard)")
