@@ -27,13 +27,21 @@ ARCHITECTURES = {
 def tiny_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
     torch.manual_seed(seed)
     model = ARCHITECTURES[name]()
-    # Random init is small; widen the weights so logits are far from ties and tokens vary
-    # (std 0.3 per input unit keeps activations O(1) with hidden 256). HF zeroes biases: random
-    # ones, so a bias the runner dropped would change tokens.
+    widen(model)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def widen(model: torch.nn.Module, norms: bool = False) -> torch.nn.Module:
+    """In place: random init is small; widen the weights so logits are far from ties and tokens
+    vary (std 0.3 per input unit keeps activations O(1) with hidden 256). HF zeroes biases: random
+    ones, so a bias the runner dropped would change tokens. norms: also perturb the other 1-D
+    parameters (norm weights; Gemma's zero-initialised ones give one token otherwise)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.3 * 16 / p.shape[-1] ** 0.5)
             elif name.endswith(".bias"):
                 p.normal_(0, 0.3)
-    return model.to(device=device, dtype=dtype).eval()
+            elif norms:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model

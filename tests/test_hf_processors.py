@@ -6,7 +6,6 @@ changed the tokens, so that a path that ignored it would fail."""
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -15,21 +14,11 @@ from transformers.generation import MaxLengthCriteria, RepetitionPenaltyLogitsPr
 
 import pagedkv
 from conftest import DEVICES
-from limits import assert_generate_works, gen, model, prompt  # noqa: F401 (gen: fixture)
+from limits import assert_generate_works, gen, model  # noqa: F401 (gen: fixture)
 from models import tiny_model
+from padded_batch import GREEDY, IDS, MASK, S, A, B, hf  # noqa: F401
 from recording_streamer import RecordingStreamer
 
-A, B = prompt(7, seed=1), prompt(4, seed=2)
-IDS = torch.tensor([A, [0] * 3 + B])  # [2, 7], row 1 left-padded
-MASK = torch.tensor([[1] * 7, [0] * 3 + [1] * 4])
-S = IDS.shape[1]
-GREEDY = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-
-
-def hf(m, ids=IDS, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return type(m).generate(m, ids, attention_mask=MASK.to(ids.device), **kwargs)
 
 
 def ours(gen, ids=IDS, **kwargs):

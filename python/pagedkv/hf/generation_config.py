@@ -17,10 +17,12 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from pagedkv.hf import arguments
+from pagedkv.hf.cheap_processors import fast_processors
 from pagedkv.runtime.fixed_batch import GenerationSettings
 
 # Settings the processed decode path runs with HF's own logits processors and stopping criteria
-# (hf/processing.py, hf/processed_decode.py); the other supported ones run on the fast path too.
+# (hf/processing.py, hf/processed_decode.py); the other supported ones run on the fast path too,
+# and so do the cheap ones of hf/cheap_processors.py in their fast-eligible forms.
 PROCESSED_FIELDS = frozenset({
     "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "no_repeat_ngram_size",
     "encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "bad_words_ids", "suppress_tokens",
@@ -177,6 +179,7 @@ def resolve_generation(
     max_new, min_new = _lengths(model, values, prompt_length, default_max_length)
 
     eos_ids = arguments.token_ids("eos_token_id", values["eos_token_id"])
+    config_eos_ids = tuple(eos_ids)  # before the vocabulary filter below: HF's bad-word EOS filter reads them
     pad = values["pad_token_id"]
     pad_defaulted = pad is None and bool(eos_ids)
     pad = eos_ids[0] if pad_defaulted else pad  # HF pads with the first EOS id
@@ -202,11 +205,14 @@ def resolve_generation(
         raise ValueError(f"pagedkv.generate: top_k={top_k}; it must be >= 0 (0 turns it off)")
     if not penalty > 0:
         raise ValueError(f"pagedkv.generate: repetition_penalty={penalty}; it must be > 0")
+    in_use = settings_in_use(config, PROCESSED_FIELDS - {"output_scores", "output_logits"})
+    processors = (fast_processors(config, in_use, config_eos_ids, model.config.vocab_size, do_sample, top_p)
+                  if in_use else None)
     return GenerationSettings(
         max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_ids, pad_token_id=pad,
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         repetition_penalty=penalty, return_dict_in_generate=bool(values["return_dict_in_generate"]),
-        penalize_padding=hf_penalizes_padding(), **_beams(config),
+        penalize_padding=hf_penalizes_padding(), processors=processors, **_beams(config),
     )
 
 

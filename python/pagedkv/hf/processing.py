@@ -2,7 +2,9 @@
 
 A call takes it when it passes a logits_processor, stopping_criteria or prefix_allowed_tokens_fn,
 sets a setting of PROCESSED_FIELDS (min_p, no_repeat_ngram_size, stop_strings, max_time, ...),
-or asks for scores or logits (return_dict_in_generate with output_scores / output_logits). Its
+or asks for scores or logits (return_dict_in_generate with output_scores / output_logits); the
+cheap settings the fast path runs itself (settings.processors: hf/cheap_processors.py) do not
+count. Its
 processors and criteria are built by HF's own generate code (model._get_logits_processor,
 model._get_stopping_criteria) from the call's config prepared as HF prepares it, so their
 order, merge with the user's lists and arithmetic are HF's. Any other call keeps the fast path.
@@ -18,6 +20,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation import MaxLengthCriteria
 
 from pagedkv.hf import arguments
+from pagedkv.hf.cheap_processors import CHEAP_FIELDS
 from pagedkv.hf.generation_config import PROCESSED_FIELDS, UnsupportedGenerationArgument, settings_in_use
 from pagedkv.hf.processed_decode import ProcessedDecode
 from pagedkv.runtime.fixed_batch import GenerationSettings
@@ -57,6 +60,8 @@ def processed_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     config = _config(model, generation_config, kwargs)
     scores_wanted = config.return_dict_in_generate and (config.output_scores or config.output_logits)
     fields = settings_in_use(config, PROCESSED_FIELDS - {"output_scores", "output_logits"})
+    if settings.processors is not None:  # every field in use is cheap and fast-eligible
+        fields = [name for name in fields if name not in CHEAP_FIELDS]
     if not (fields or call.in_use() or scores_wanted):
         return None
     state = getattr(model, PREPARED_ATTR, None)

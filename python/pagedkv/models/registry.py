@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
 from pagedkv.layers.rotary import rope_type
+from pagedkv.models.fallback import fallback_reason
 
 # Llama's decoder under other names: the same layers, norms, activation and rotary layout (read
 # from each type's HF modeling file). internlm3 and iquestcoder are LlamaForCausalLM with their own
@@ -34,6 +37,15 @@ OTHER_DECODERS = {
     "qwen3_moe": "a mixture-of-experts MLP",
     "youtu": "multi-head latent attention (DeepSeek-V3's)",
 }
+# Types pagedkv runs by their own HF modules over its cache (models/fallback.py: eager, no CUDA
+# graphs, no tensor parallelism), each one's greedy tokens checked against HF's by
+# tests/test_fallback.py; a type that fails there stays off (GPT-2 passes, but stays the tests'
+# example of a refused type for now).
+FALLBACK_MODEL_TYPES = ("apertus", "arcee", "codegen", "cohere", "ernie4_5", "exaone4", "gemma", "gemma2",
+                        "gemma3_text", "glm", "gpt_bigcode", "gpt_neox", "gptj", "granite", "granitemoe",
+                        "helium", "hunyuan_v1_dense", "jais2", "mixtral", "nemotron", "olmo", "olmo2", "olmo3",
+                        "opt", "persimmon", "phi", "qwen2_moe", "smollm3", "stablelm", "starcoder2")
+SupportPath = Literal["native", "fallback"]
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rotary variants whose cos/sin depend only on the position (built once, up front); "dynamic"
 # and "longrope" change with the running sequence length, which a precomputed table cannot follow.
@@ -52,10 +64,13 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     shards are read from a checkpoint, models/checkpoint_shards.py)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if model_type in FALLBACK_MODEL_TYPES:
+        return _fallback_path_reason(model, placement)
     if model_type not in SUPPORTED_MODEL_TYPES:
         differs = f" ({OTHER_DECODERS[model_type]})" if model_type in OTHER_DECODERS else ""
         return (f"model_type {model_type!r} is not supported{differs}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}; by their own HF modules (slower): "
+                f"{', '.join(FALLBACK_MODEL_TYPES)}")
     if not hasattr(model, "model") or not hasattr(model, "lm_head"):
         return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -80,6 +95,26 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     allowed = {"full_attention", "sliding_attention"} if attention_window(model) else {"full_attention"}
     if layer_types - allowed:
         return f"layer_types {sorted(layer_types)} are not supported; supported: {', '.join(sorted(allowed))}"
+    return _placement_reason(model, placement)
+
+
+def _fallback_path_reason(model, placement: bool) -> str | None:
+    """unsupported_reason of a FALLBACK_MODEL_TYPES model: what its attention asks for, the
+    kernels' head sizes, its dtype and placement."""
+    reason = fallback_reason(model)
+    if reason is not None:
+        return (f"model_type {model.config.model_type!r} runs by its own modules only with causal "
+                f"self-attention that pagedkv's kernels compute exactly; this one has {reason}")
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return (f"head_dim {head_dim} is not supported; supported: "
+                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    return _placement_reason(model, placement)
+
+
+def _placement_reason(model, placement: bool) -> str | None:
+    """Its parameters' dtype (one, floating) and, with placement, their one device."""
     params = list(model.parameters())
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
@@ -137,8 +172,18 @@ def _module_reason(model) -> str | None:
 
 
 def supports(model) -> bool:
-    """True if pagedkv can run this model; `unsupported_reason(model)` says why not."""
+    """True if pagedkv can run this model (natively or by its own modules: `support_path`);
+    `unsupported_reason(model)` says why not."""
     return unsupported_reason(model) is None
+
+
+def support_path(model) -> SupportPath | None:
+    """How pagedkv runs `model`: "native" (its own fused forward, models/llama.py, CUDA graphs
+    and tensor parallelism), "fallback" (the HF model's own modules over the paged cache,
+    models/fallback.py: eager, one device), or None (it cannot: `unsupported_reason`)."""
+    if unsupported_reason(model) is not None:
+        return None
+    return "fallback" if model.config.model_type in FALLBACK_MODEL_TYPES else "native"
 
 
 def check_supported(model, placement: bool = True) -> None:

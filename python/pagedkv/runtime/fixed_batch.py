@@ -19,11 +19,12 @@ from torch.profiler import record_function
 
 from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, free_memory_bytes
 from pagedkv.runtime.decode_state import DecodeState
+from pagedkv.runtime.fast_processors import FastProcessors
 from pagedkv.runtime.logits_step import LogitsStep
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import call_digest
 from pagedkv.runtime.prefix_reuse import keep_rows
-from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, cuda_graphs_wanted
+from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, cuda_graphs_wanted, graphs_allowed
 from pagedkv.runtime.sampler import Sampler
 
 BLOCK_SIZE = 16
@@ -49,6 +50,8 @@ class GenerationSettings:
     num_beams: int = 1
     # repetition_penalty counts the rows' left padding as prompt tokens (transformers <= 5.1x)
     penalize_padding: bool = True
+    # HF's cheap processors where the captured step gives HF's logits (hf/generation_config.py)
+    processors: FastProcessors | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,6 +64,8 @@ class _GraphKey:
     repetition_penalty: float
     min_new_tokens: int
     eos_ids: tuple[int, ...]
+    bias: bool = False  # a [V] bias vector added (its values are filled per call)
+    min_p: bool = False  # min_p's mask (its value is filled per call)
 
 
 def check_call(model: PreparedModel, prompts: list[list[int]], settings: GenerationSettings,
@@ -110,7 +115,7 @@ class FixedBatch:
         processors, hf/processed_decode.py): decode_loop(prefill logits [B, V], step) -> [B, N],
         step(tokens [B]) -> logits [B, V] (a LogitsStep); None: the captured sample-in-graph steps."""
         model = self.model
-        graphs = cuda_graphs_wanted(use_cuda_graphs, model.device, "pagedkv.generate")
+        graphs = cuda_graphs_wanted(use_cuda_graphs, model.device, "pagedkv.generate") and graphs_allowed(model)
         max_new = settings.max_new_tokens
         longest = check_call(model, prompts, settings)
         # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
@@ -205,7 +210,8 @@ class FixedBatch:
         vocab = self.model.weights.vocab_size if settings.repetition_penalty != 1.0 else None
         state = DecodeState.allocate(key.rows, key.max_blocks, vocab, BLOCK_SIZE, device)
         sampler = Sampler(key.rows, device, repetition_penalty=settings.repetition_penalty,
-                          min_new_tokens=settings.min_new_tokens, eos_token_ids=settings.eos_token_ids)
+                          min_new_tokens=settings.min_new_tokens, eos_token_ids=settings.eos_token_ids,
+                          bias_vocab=self.model.weights.vocab_size if key.bias else None, min_p=key.min_p)
         sampler.fill(settings.temperature if settings.do_sample else 0.0, settings.top_k, settings.top_p)
 
         def step() -> torch.Tensor:
@@ -251,8 +257,11 @@ class FixedBatch:
             # Round the table width up so that calls of similar lengths share a captured graph.
             max_blocks = 1 << (max(len(t) for t in tables) - 1).bit_length()
             rows = bucket(batch) if graphs else batch
+            fast = settings.processors
             key = _GraphKey(rows, max_blocks, settings.do_sample, settings.repetition_penalty,
-                            settings.min_new_tokens, settings.eos_token_ids)
+                            settings.min_new_tokens, settings.eos_token_ids,
+                            bias=fast is not None and bool(fast.bias),
+                            min_p=fast is not None and fast.min_p is not None)
         if decode_loop is not None:
             step = LogitsStep(runner, rows, max_blocks, BLOCK_SIZE, graphs)
             step.start(lens, tables)
@@ -264,6 +273,7 @@ class FixedBatch:
                 table_host[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
             state.start(torch.tensor(lens, dtype=torch.int32), table_host)
             sampler.offsets.zero_()
+            sampler.fill_processors(settings.processors, self.model.weights.vocab_size)
             if settings.do_sample:  # from torch's global RNG: torch.manual_seed reproduces a call
                 sampler.seeds[:batch].copy_(torch.randint(0, 2**62, (batch,)))
                 if self.model.tp is not None:  # every rank samples with the first rank's seeds
@@ -279,7 +289,7 @@ class FixedBatch:
                 state.seen[:batch].scatter_(1, ids, True)
         if rows > batch:
             logits = torch.cat([logits, logits.new_zeros(rows - batch, logits.shape[1])])
-        first = sampler(logits, state.generated, state.seen)
+        first = sampler(logits, state.generated, state.seen, first=True)
         state.advance(first, sampler.offsets)
         return _read_back(replay, first, sampler.next_tokens, rows, batch, max_new, settings,
                           streamer, input_ids, self.model.device)

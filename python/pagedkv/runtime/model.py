@@ -43,10 +43,13 @@ import torch.distributed as dist
 
 from pagedkv.layers.rotary import build_cos_sin_cache
 from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read_shard
+from pagedkv.models.fallback import FallbackWeights, fallback_weights
 from pagedkv.models.llama import DecoderWeights, extract_weights
 # PREPARED_ATTR: the attribute of the HF model that holds its PreparedModel (in the registry: its
 # support check lets a skeleton on meta run only with a shard).
-from pagedkv.models.registry import PREPARED_ATTR, check_supported
+from pagedkv.models import registry
+from pagedkv.models.registry import (PREPARED_ATTR, SUPPORTED_MODEL_TYPES, UnsupportedModel, check_supported,
+                                     support_path)
 from pagedkv.models.sharding import shard_weights
 from pagedkv.runtime.parallel import TensorParallel
 from pagedkv.runtime.peer_all_reduce import PeerAllReduce
@@ -123,8 +126,9 @@ def _changed_error(change: str, tp: bool, who: str) -> ModelChanged:
 
 @dataclasses.dataclass(eq=False)
 class PreparedModel:
-    weights: DecoderWeights
-    cos_sin: torch.Tensor  # [max_positions, rot_dim] fp32, from the model's own rotary embedding
+    # FallbackWeights: a type pagedkv runs by the HF model's own modules (models/fallback.py).
+    weights: DecoderWeights | FallbackWeights
+    cos_sin: torch.Tensor | None  # [max_positions, rot_dim] fp32 from the model's rotary; None: fallback
     device: torch.device  # where the forward runs (a shard's device may differ from the HF model's)
     dtype: torch.dtype
     max_positions: int
@@ -139,6 +143,12 @@ class PreparedModel:
     def of(cls, model, tp: TensorParallel | None = None, reader: TensorReader | None = None) -> PreparedModel:
         """reader (with tp): this rank's shard is read through it; `model` is a skeleton on meta."""
         check_supported(model, placement=reader is None)
+        if tp is None and support_path(model) == "fallback":  # HF's modules: nothing to take
+            param = next(model.parameters())
+            logger.info("runs %s by its own modules (pagedkv's fallback path: eager, no CUDA graphs)",
+                        type(model).__name__)
+            return cls(fallback_weights(model), None, param.device, param.dtype,
+                       int(model.config.max_position_embeddings), None, fingerprint=fingerprint(model))
         # Not in inference mode (generate() runs in it): HF's parameters become views of the
         # fused tensors, and views of inference tensors could never be trained again.
         with torch.inference_mode(False), torch.no_grad():
@@ -177,6 +187,8 @@ class PreparedModel:
 
 def weight_bytes(weights: DecoderWeights) -> int:
     """Bytes of the distinct tensors pagedkv runs (a tied LM head counted once)."""
+    if isinstance(weights, FallbackWeights):
+        return sum(p.numel() * p.element_size() for p in weights.model.parameters())
     tensors = [weights.embed, weights.final_norm, weights.lm_head]
     for layer in weights.layers:
         tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
@@ -256,6 +268,10 @@ def tensor_parallel(model: M, group: dist.ProcessGroup | None = None,
     from the model, then an empty skeleton on the meta device (checkpoint_shards.empty_model):
     what tensor_parallel_from_pretrained does with a checkpoint, a benchmark with random values."""
     check_supported(model, placement=reader is None)
+    if model.config.model_type in registry.FALLBACK_MODEL_TYPES:  # read at call time (tests extend it)
+        raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} runs by "
+                               "its own HF modules (pagedkv's fallback path), which pagedkv does not shard; "
+                               f"tensor parallelism runs: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("pagedkv.tensor_parallel: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group first (e.g. run under torchrun)")

@@ -25,6 +25,7 @@ from torch.profiler import record_function
 
 from pagedkv.cache import KVCache, StepMetadata
 from pagedkv.layers.attention import ForwardMetadata
+from pagedkv.models.fallback import FallbackDecoder, FallbackWeights
 from pagedkv.models.llama import PagedDecoder
 from pagedkv.runtime.graphs import CudaGraphs
 from pagedkv.runtime.model import PreparedModel
@@ -44,6 +45,13 @@ def cuda_graphs_wanted(requested: bool | None, device: torch.device, caller: str
     if requested and device.type != "cuda":
         raise ValueError(f"{caller}: use_cuda_graphs=True needs a model on a CUDA device, got {device}")
     return device.type == "cuda" if requested is None else bool(requested)
+
+
+def graphs_allowed(model: PreparedModel) -> bool:
+    """False for a model run by its own HF modules (models/fallback.py): their Python runs every
+    step (host-side checks, dynamic shapes), which a captured graph would skip; such models run
+    eagerly whatever use_cuda_graphs says."""
+    return not isinstance(model.weights, FallbackWeights)
 
 
 def host_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -103,9 +111,12 @@ class ModelRunner:
         self.cache = cache
         self.device = model.device
         self.max_batch = max_batch
-        self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
-                                    tp=model.tp)
-        self.use_cuda_graphs = use_cuda_graphs  # for run()'s decode steps
+        if isinstance(model.weights, FallbackWeights):  # the HF model's own modules, eager only
+            self.decoder = FallbackDecoder(model.weights, cache.k_caches, cache.v_caches)
+        else:
+            self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
+                                        tp=model.tp)
+        self.use_cuda_graphs = use_cuda_graphs and graphs_allowed(model)  # for run()'s decode steps
         self.graphs = CudaGraphs() if model.device.type == "cuda" else None
         if self.graphs is not None and model.tp is not None:
             graphs_hold_collectives(self.graphs)  # dropped before the process group goes

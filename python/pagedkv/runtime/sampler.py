@@ -10,7 +10,9 @@ sequences that sample (SamplingBatch), and for an unchanged batch only moves the
 
 Logits processors of HF's greedy/sample loop, in HF's order and arithmetic, before sampling:
 repetition penalty, then min_new_tokens' EOS suppression (temperature, top-k and top-p are the
-sampling op's own). The engine's requests may also ask for per-row penalties, min_p and logprobs
+sampling op's own); generate() may add HF's cheap ones (fast_processors.py: a [V] bias before the
+penalty, min_p before sampling), each only when the call sets it, so a step without them runs
+no kernel of theirs. The engine's requests may also ask for per-row penalties, min_p and logprobs
 (row_processing.py): set as `processing` for the steps that have such rows, else None.
 """
 
@@ -20,6 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from pagedkv import ops
+from pagedkv.runtime.fast_processors import FastProcessors, apply_min_p
 from pagedkv.runtime.row_processing import RowProcessing
 
 # The kernels take top_k as int32 and keep every token for top_k >= the vocabulary size (< 2**31),
@@ -49,12 +52,19 @@ class Sampler:
 
     repetition_penalty != 1 needs `seen` [rows, V] bool at each call; min_new_tokens > 0 with
     eos_token_ids needs `generated` [rows] int32 (tokens each row has generated so far).
+    bias_vocab / min_p: allocate generate()'s [V] bias and [rows] min_p (fill_processors sets
+    their values per call; a captured step reads them).
     """
 
     def __init__(self, rows: int, device: torch.device, *, repetition_penalty: float = 1.0,
-                 min_new_tokens: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 min_new_tokens: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 bias_vocab: int | None = None, min_p: bool = False) -> None:
         self.device = device
         self._allocate(rows)
+        self.bias = (None if bias_vocab is None else
+                     torch.zeros(bias_vocab, dtype=torch.float32, device=device))  # [V]
+        self.min_p = torch.zeros(rows, dtype=torch.float32, device=device) if min_p else None  # [rows]
+        self.begin: torch.Tensor | None = None  # [V] for the next call with first=True only
         self.repetition_penalty = repetition_penalty
         self.min_new_tokens = min_new_tokens if eos_token_ids else 0
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.int64, device=device)  # [E]
@@ -77,6 +87,17 @@ class Sampler:
         self.top_k.fill_(min(top_k, TOP_K_MAX))
         self.top_p.fill_(top_p)
         self.all_greedy = temperature <= 0
+
+    def fill_processors(self, processors: FastProcessors | None, vocab: int) -> None:
+        """generate()'s cheap processors for this call, every row alike (the tensors this
+        sampler allocated for them; begin_suppress_tokens for the first token only)."""
+        if self.bias is not None:
+            self.bias.copy_(processors.bias_vector(vocab, self.device))
+        if self.min_p is not None:
+            self.min_p.fill_(processors.min_p)
+        self.begin = None
+        if processors is not None and processors.begin:
+            self.begin = processors.begin_vector(vocab, self.device)
 
     def set_rows(self, temperatures: list[float], top_k: list[int], top_p: list[float],
                  seeds: list[int], offsets: list[int]) -> None:
@@ -105,21 +126,30 @@ class Sampler:
             self.offsets[:n].add_(1)
 
     def __call__(self, logits: torch.Tensor, generated: torch.Tensor | None = None,
-                 seen: torch.Tensor | None = None) -> torch.Tensor:
-        """logits [n, V] -> next_tokens[:n] int64 (a view of the static output)."""
+                 seen: torch.Tensor | None = None, first: bool = False) -> torch.Tensor:
+        """logits [n, V] -> next_tokens[:n] int64 (a view of the static output). first: the
+        rows' first generated token (begin_suppress_tokens apply)."""
         with record_function("sample"):
             n = logits.shape[0]
             penalize = self.repetition_penalty != 1.0
             suppress = self.min_new_tokens > 0
+            begin = self.begin if first else None
+            min_p = None if self.all_greedy else self.min_p
             # HF converts logits to fp32 for its processors. ops.sample reads bf16/fp16 logits as
             # their exact fp32 values, so without a processor the conversion changes no token
             # and is skipped (a kernel and a [n, V] fp32 copy per step).
-            if penalize or suppress:
+            if penalize or suppress or self.bias is not None or begin is not None or min_p is not None:
                 logits = logits.float()
+            if self.bias is not None:  # then HF's bans: -inf whatever the logit (inf + -inf is NaN)
+                logits.add_(self.bias).masked_fill_(self.bias == -float("inf"), -float("inf"))
+            if begin is not None:
+                logits.masked_fill_(begin == -float("inf"), -float("inf"))
             if penalize:
                 apply_repetition_penalty(logits, seen[:n], self.repetition_penalty)
             if suppress:
                 suppress_eos(logits, self.eos_ids, generated[:n], self.min_new_tokens)
+            if min_p is not None:  # HF's warpers come after every processor
+                apply_min_p(logits, self.temperatures[:n], min_p[:n])
             processing = self.processing
             if processing is not None:
                 logits = processing.before_sampling(logits)

@@ -1,0 +1,184 @@
+"""Any other decoder-only HF text model, run by its OWN modules over pagedkv's cache.
+
+The model's *ForCausalLM forward runs on the step's flat batch as one sequence (input_ids [1, T],
+position_ids from the step's metadata, use_cache=False), with HF's attention dispatch pointed,
+for that call only, at `paged_attention_forward`: it receives each layer's q, k, v after HF
+applied its rotary embedding (and q/k norms, clipping, partial rotary: whatever the model does),
+writes k, v at the step's cache slots and attends through the block tables, rows kept apart by
+the metadata. No 4D mask is built (HF builds none for an attention function without a mask
+function registered). The logits of `logits_rows` come from HF's own head (final norm, LM head,
+logit scales and softcapping) through `logits_to_keep`.
+
+Slower than models/llama.py (HF's eager modules, no fused kernels, no CUDA graphs) but exact for
+what the attention function can express: causal self-attention with an optional scale. What it
+cannot (softcapped scores, attention sinks, alibi, non-causal or cross-attention, recurrent
+layers) is refused by `fallback_reason` before anything runs, and again here if a call asks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import inspect
+
+import torch
+from transformers.modeling_utils import AttentionInterface
+
+from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+ATTN_IMPLEMENTATION = "pagedkv"  # the name registered in HF's AttentionInterface (not "paged|...")
+
+
+@dataclasses.dataclass(eq=False)
+class FallbackWeights:
+    """What the runtime reads of a model's weights (runtime/model.py: cache shape, vocabulary),
+    for a model pagedkv runs by its own modules. `layers` only counts them."""
+
+    model: torch.nn.Module  # the HF *ForCausalLM itself: its parameters are the weights
+    layers: list[None]  # [num_layers]
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+def fallback_weights(model) -> FallbackWeights:
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    return FallbackWeights(model, [None] * config.num_hidden_layers, kv_heads, head_dim, vocab)
+
+
+def fallback_reason(model) -> str | None:
+    """None if the attention function reproduces every attention of `model` exactly, else what
+    it has that the function cannot compute, as a noun phrase (from the config; the type itself
+    is checked against the allowlist by the registry)."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        return "cross-attention (an encoder-decoder model, or add_cross_attention=True)"
+    if any(getattr(config, f, None) is not None for f in ("vision_config", "audio_config", "text_config")):
+        return "a multimodal config (vision, audio or text sub-configs)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return f"attn_logit_softcapping={config.attn_logit_softcapping} (softcapped attention scores)"
+    if getattr(config, "alibi", False):
+        return "alibi=True (ALiBi position biases in the attention scores)"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested = [v for v in rope.values() if isinstance(v, dict)]  # per layer type (Gemma 3)
+    kinds = {p.get("rope_type", p.get("type")) for p in [rope, *nested]} & set(LENGTH_DEPENDENT_ROPE)
+    if kinds:
+        # their frequencies follow the longest sequence of a batch, which the step's flat batch
+        # of other rows would change
+        return f"rope type {sorted(kinds)[0]!r} (its frequencies depend on the sequence length)"
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if layer_types - {"full_attention", "sliding_attention"}:
+        return (f"layer_types {sorted(layer_types)} (only full and sliding attention layers run "
+                "over the paged cache)")
+    if model.get_output_embeddings() is None:
+        return f"no LM head ({type(model).__name__} is not a *ForCausalLM model)"
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return f"a forward without logits_to_keep ({type(model).__name__})"
+    return None
+
+
+@dataclasses.dataclass(slots=True)
+class _Call:
+    """One forward's state, read by the attention function of each layer."""
+
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, Hkv, Dh]
+    v_caches: list[torch.Tensor]
+    meta: ForwardMetadata
+    slots: torch.Tensor  # [T'] int64: cache slots of the non-padding tokens
+    keep: torch.Tensor | None  # [T'] indices of the non-padding tokens; None: all
+    workspace: torch.Tensor | None = None
+    layers_run: int = 0
+
+
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("pagedkv_fallback_call", default=None)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's attention interface: query [1, Hq, T, Dh], key/value [1, Hkv, T, Dh] (rotated) ->
+    ([1, T, Hq, Dh], None). attention_mask is ignored: the block tables keep the rows apart and
+    the kernels are causal within each."""
+    call = _CALL.get()
+    if call is None:
+        raise RuntimeError("pagedkv's paged attention ran outside a pagedkv forward")
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"pagedkv's paged attention cannot apply {name} ({type(module).__name__})")
+    if not getattr(module, "is_causal", True) or key.shape[2] != query.shape[2]:
+        raise NotImplementedError(f"pagedkv's paged attention runs causal self-attention only "
+                                  f"({type(module).__name__})")
+    layer = getattr(module, "layer_idx", None)
+    layer = call.layers_run if layer is None else layer
+    call.layers_run += 1
+    k_cache, v_cache = call.k_caches[layer], call.v_caches[layer]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if key.shape[1] != num_kv_heads or key.shape[3] != head_dim:
+        raise RuntimeError(f"layer {layer}: K of {key.shape[1]} heads of {key.shape[3]} but the cache "
+                           f"holds {num_kv_heads} heads of {head_dim}")
+    k = key[0].transpose(0, 1).to(k_cache.dtype)  # [T, Hkv, Dh]
+    v = value[0].transpose(0, 1).to(v_cache.dtype)
+    if call.keep is not None:
+        k, v = k[call.keep], v[call.keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, call.slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, call.slots, v)
+    q = query[0].transpose(0, 1).to(k_cache.dtype).contiguous()  # [T, Hq, Dh]
+    if call.workspace is None:
+        call.workspace = attention_workspace(q, k_cache, call.meta)
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    out = paged_attention(q, k_cache, v_cache, call.meta, float(scale), call.workspace)  # [T, Hq, Dh]
+    return out.to(query.dtype)[None], None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+@contextlib.contextmanager
+def _attention_implementation(model, name: str):
+    """The model's attention dispatch set to `name` for the block, its own restored after (on
+    errors too). Set on the config the modules read at each call."""
+    config = model.config
+    own = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
+
+
+class FallbackDecoder:
+    """PagedDecoder's interface (models/llama.py) over the HF model's own modules."""
+
+    def __init__(self, weights: FallbackWeights, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        self.w = weights
+        self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
+        self.v_caches = v_caches
+
+    def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [R, V] for the rows `logits_rows` [R] of the T tokens (all
+        when None), as the HF model's head computes them."""
+        slots = meta.slot_mapping.long()  # [T]
+        keep = None
+        if bool((slots < 0).any()):  # padding rows write nothing
+            keep = (slots >= 0).nonzero().squeeze(1)
+            slots = slots[keep]
+        call = _Call(self.k_caches, self.v_caches, meta, slots, keep)
+        model = self.w.model
+        token = _CALL.set(call)
+        try:
+            with _attention_implementation(model, ATTN_IMPLEMENTATION), torch.no_grad():
+                out = model(input_ids=input_ids[None], position_ids=meta.positions.long()[None],
+                            use_cache=False, logits_to_keep=0 if logits_rows is None else logits_rows)
+        finally:
+            _CALL.reset(token)
+        if call.layers_run != len(self.k_caches):
+            raise RuntimeError(f"{type(model).__name__}: {call.layers_run} of {len(self.k_caches)} layers "
+                               "ran pagedkv's attention; the others bypass HF's attention interface")
+        return out.logits[0]  # [R, V]

@@ -1,0 +1,201 @@
+"""The fallback path (models/fallback.py): decoder-only types pagedkv has no native decoder for,
+run by their own HF modules over pagedkv's cache, give HF's greedy tokens through generate and
+LLM (chunked prefill included) and hold no block after; every causal-LM type of the installed
+transformers is native, fallback, or refused with a reason; what the attention function cannot
+compute is refused; an error mid-forward leaves the model's attention implementation and the
+cache as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import pagedkv
+import tp_worker
+from conftest import DEVICES
+from pagedkv.models import fallback, registry
+from models import widen
+from test_engine import assert_no_leaks, random_prompts
+
+SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0)  # head_dim 64
+GQA = dict(num_key_value_heads=1)  # for the configs that have the field (others keep it as junk)
+# model_type -> config fields beyond SMALL; each on registry.FALLBACK_MODEL_TYPES.
+CASES = {
+    "apertus": GQA, "arcee": GQA, "codegen": dict(rotary_dim=32), "cohere": GQA, "ernie4_5": GQA,
+    "exaone4": GQA, "gemma": dict(GQA, head_dim=64),
+    # within its window, without softcapped scores (refused: test below)
+    "gemma2": dict(GQA, head_dim=64, attn_logit_softcapping=None, sliding_window=512, tie_word_embeddings=False),
+    "gemma3_text": dict(GQA, head_dim=64, sliding_window=512, tie_word_embeddings=False),
+    "glm": GQA, "gpt_bigcode": {},
+    "gpt_neox": {}, "gptj": dict(rotary_dim=32), "granite": GQA, "granitemoe": GQA, "helium": dict(GQA, head_dim=64),
+    "hunyuan_v1_dense": dict(GQA, head_dim=64), "jais2": GQA, "mixtral": dict(GQA, num_local_experts=4),
+    "nemotron": dict(GQA, head_dim=64), "olmo": GQA, "olmo2": GQA, "olmo3": dict(GQA, sliding_window=512),
+    "opt": {}, "persimmon": {}, "phi": {}, "qwen2_moe": GQA, "smollm3": GQA, "stablelm": GQA,
+    "starcoder2": GQA,
+}
+# Fields whose defaults are None in these types' configs, which their modules cannot build from.
+DEFAULTS_MISSING = {"hunyuan_v1_dense": dict(head_dim=128), "ministral": dict(head_dim=128),
+                    "nemotron": dict(head_dim=128, num_key_value_heads=8)}
+GREEDY = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def tiny(model_type: str, device: str = "cpu", seed: int = 0, **fields):
+    """A tiny random fp32 model; weights widened (tests/models.py) and norm weights jittered, so
+    logits are far from ties and tokens vary (Gemma's zero-initialised norms give one token)."""
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"model_type {model_type!r} is not in transformers here")
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**SMALL, **CASES.get(model_type, {}), **fields})
+    model = AutoModelForCausalLM.from_config(config)
+    return widen(model, norms=True).to(device).eval()
+
+
+def assert_varied(tokens: torch.Tensor) -> None:
+    """HF's tokens are not one repeated token: a test over them could not tell models apart."""
+    assert len(set(tokens.flatten().tolist())) >= 4, tokens
+
+
+def assert_nothing_held(model) -> None:
+    cache = pagedkv.kv_cache_of(model)
+    assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
+
+
+def test_allowlist_is_what_is_tested():
+    assert sorted(CASES) == sorted(registry.FALLBACK_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_generate_gives_hf_greedy_tokens(model_type, device):
+    model = tiny(model_type, device)
+    assert pagedkv.support_path(model) == "fallback", pagedkv.unsupported_reason(model)
+    own = model.config._attn_implementation
+    ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=1)
+    expected = model.generate(ids, attention_mask=mask, **GREEDY)  # [2, 19 + 16]
+    assert_varied(expected[:, ids.shape[1]:])
+    # use_cuda_graphs=True on CUDA: fallback models run eagerly all the same
+    graphs = True if device == "cuda" else None
+    got = pagedkv.generate(model, ids, attention_mask=mask, use_cuda_graphs=graphs, **GREEDY)
+    assert torch.equal(got, expected)
+    assert model.config._attn_implementation == own
+    assert_nothing_held(model)
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_llm_gives_hf_greedy_tokens(model_type):
+    """Prompts chunked by an 8-token step budget: prefill chunks over cached context, decode rows
+    in the same steps."""
+    model = tiny(model_type)
+    prompts = random_prompts([5, 19])
+    llm = pagedkv.LLM(model, max_num_seqs=2, max_num_batched_tokens=8)
+    params = pagedkv.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == model.generate(torch.tensor([prompt]), **GREEDY)[0, len(prompt):].tolist()
+    assert_no_leaks(llm)
+
+
+@pytest.mark.cuda
+def test_llm_on_cuda_runs_eagerly():
+    model = tiny("gpt_neox", "cuda")
+    llm = pagedkv.LLM(model, max_num_seqs=2, use_cuda_graphs=True)
+    prompts = random_prompts([5, 19])
+    params = pagedkv.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == model.generate(torch.tensor([prompt], device="cuda"), **GREEDY)[0, len(prompt):].tolist()
+    assert len(llm.runner.graphs) == 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+def test_every_causal_lm_type_is_native_fallback_or_refused(model_type):
+    """Each type with its default config, on meta (no weights, so nothing runs): a native or
+    fallback type is refused only for what its config holds or for being on meta; any other
+    type is refused by name."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+                model_type, num_hidden_layers=1, **DEFAULTS_MISSING.get(model_type, {})))
+    except Exception as e:  # a default config that cannot build: must not be a type pagedkv runs
+        assert model_type not in registry.FALLBACK_MODEL_TYPES + registry.SUPPORTED_MODEL_TYPES, e
+        return
+    path = model.config.model_type  # may differ from the mapping's key
+    reason = pagedkv.unsupported_reason(model)
+    assert reason, path
+    assert pagedkv.support_path(model) is None
+    if path in registry.FALLBACK_MODEL_TYPES + registry.SUPPORTED_MODEL_TYPES:
+        assert "meta device" in reason or "softcapping" in reason or "head_dim" in reason, reason
+    else:
+        assert f"model_type {path!r} is not supported" in reason, reason
+
+
+def test_support_path_names_the_path():
+    assert pagedkv.support_path(tiny("gpt_neox")) == "fallback"
+    assert pagedkv.support_path(tiny("gemma2", attn_logit_softcapping=50.0)) is None
+    from models import tiny_model
+    assert pagedkv.support_path(tiny_model("llama")) == "native"
+
+
+@pytest.mark.parametrize("model_type, fields, words", [
+    ("gemma2", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    ("falcon", dict(alibi=True), "model_type 'falcon' is not supported"),  # its own attention code
+    ("bloom", {}, "model_type 'bloom' is not supported"),  # alibi, outside HF's attention interface
+    ("gpt_neox", dict(add_cross_attention=True), "cross-attention"),
+    ("olmo", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+     "rope type 'dynamic'"),
+])
+def test_what_the_attention_cannot_compute_is_refused(model_type, fields, words):
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"model_type {model_type!r} is not in transformers here")
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**SMALL, **fields})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    reason = pagedkv.unsupported_reason(model)
+    assert reason is not None and words in reason, reason
+    with pytest.raises(pagedkv.UnsupportedModel, match=model_type):
+        pagedkv.generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+
+
+def test_tensor_parallel_refuses_fallback_models():
+    with pytest.raises(pagedkv.UnsupportedModel, match="'gpt_neox' runs by its own HF modules"):
+        pagedkv.tensor_parallel(tiny("gpt_neox"))
+
+
+def test_layers_outside_the_attention_interface_are_caught(monkeypatch):
+    """A type whose attention does not go through HF's interface never writes the cache: its
+    forward is refused, not run wrong (Bloom, put on the allowlist here)."""
+    monkeypatch.setattr(registry, "FALLBACK_MODEL_TYPES", registry.FALLBACK_MODEL_TYPES + ("bloom",))
+    model = tiny("bloom")
+    with pytest.raises(RuntimeError, match="0 of 2 layers ran pagedkv's attention"):
+        pagedkv.generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2, pad_token_id=0)
+    assert_nothing_held(model)
+
+
+def test_an_error_mid_forward_restores_the_model(monkeypatch):
+    model = tiny("gpt_neox")
+    own = model.config._attn_implementation
+    ids, mask = tp_worker.left_padded([5, 19], 256, "cpu", seed=1)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second layer of the prefill
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    real = fallback.paged_attention
+    monkeypatch.setattr(fallback, "paged_attention", failing)
+    with pytest.raises(KeyboardInterrupt):
+        pagedkv.generate(model, ids, attention_mask=mask, **GREEDY)
+    monkeypatch.setattr(fallback, "paged_attention", real)
+    assert model.config._attn_implementation == own
+    assert fallback._CALL.get() is None
+    assert_nothing_held(model)
+    assert torch.equal(pagedkv.generate(model, ids, attention_mask=mask, **GREEDY),
+                       model.generate(ids, attention_mask=mask, **GREEDY))
