@@ -16,11 +16,23 @@
 
 namespace pagedkv::kernels {
 
-__device__ __forceinline__ void begin_dependent_kernel() {
+// Waits until the previous kernel in the stream has completed and its writes are visible.
+__device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel be scheduled once every block of this one has called it (or exited).
+__device__ __forceinline__ void let_next_kernel_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void begin_dependent_kernel() {
+  wait_for_previous_kernel();
+  let_next_kernel_launch();
 }
 
 inline bool dependent_launch_enabled() {
