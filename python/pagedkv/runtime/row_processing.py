@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from pagedkv.runtime.fast_processors import apply_min_p
+
 
 @dataclasses.dataclass(slots=True)
 class PenaltyRow:
@@ -137,9 +139,8 @@ class RowProcessing:
         if self._min_p is not None:
             rows, min_p, temperature = self._min_p
             x = logits[rows]  # [m, V]
-            probs = torch.softmax(x / temperature[:, None], dim=-1)
-            dropped = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-            logits[rows] = x.masked_fill(dropped, -float("inf"))
+            apply_min_p(x, temperature, min_p)
+            logits[rows] = x
         return logits
 
     def after_sampling(self, tokens: torch.Tensor) -> None:
