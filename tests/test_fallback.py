@@ -65,6 +65,18 @@ def assert_nothing_held(model) -> None:
     assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
 
 
+def assert_refused_outside_the_attention_interface(model) -> None:
+    """A type whose installed modeling code has no attention dispatch is refused before anything
+    runs, naming the transformers version; its model and cache are left as they were."""
+    reason = pagedkv.unsupported_reason(model)
+    assert reason and "not through HF's attention interface" in reason and "transformers" in reason, reason
+    ids = torch.tensor([[3, 4, 5]], device=model.device)
+    with pytest.raises(pagedkv.UnsupportedModel, match="attention interface"):
+        pagedkv.generate(model, ids, max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(pagedkv.UnsupportedModel, match="attention interface"):
+        pagedkv.LLM(model)
+
+
 def test_allowlist_is_what_is_tested():
     assert sorted(CASES) == sorted(registry.FALLBACK_MODEL_TYPES)
 
@@ -73,6 +85,9 @@ def test_allowlist_is_what_is_tested():
 @pytest.mark.parametrize("model_type", list(CASES))
 def test_generate_gives_hf_greedy_tokens(model_type, device):
     model = tiny(model_type, device)
+    if not fallback._dispatches_attention(type(model).__module__):  # GPT-J, CodeGen in 5.17
+        assert_refused_outside_the_attention_interface(model)
+        return
     assert pagedkv.support_path(model) == "fallback", pagedkv.unsupported_reason(model)
     own = model.config._attn_implementation
     ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=1)
@@ -91,6 +106,9 @@ def test_llm_gives_hf_greedy_tokens(model_type):
     """Prompts chunked by an 8-token step budget: prefill chunks over cached context, decode rows
     in the same steps."""
     model = tiny(model_type)
+    if not fallback._dispatches_attention(type(model).__module__):
+        assert_refused_outside_the_attention_interface(model)
+        return
     prompts = random_prompts([5, 19])
     llm = pagedkv.LLM(model, max_num_seqs=2, max_num_batched_tokens=8)
     params = pagedkv.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -130,7 +148,7 @@ def test_every_causal_lm_type_is_native_fallback_or_refused(model_type):
     assert reason, path
     assert pagedkv.support_path(model) is None
     if path in registry.FALLBACK_MODEL_TYPES + registry.SUPPORTED_MODEL_TYPES:
-        assert "meta device" in reason or "softcapping" in reason or "head_dim" in reason, reason
+        assert any(w in reason for w in ("meta device", "softcapping", "head_dim", "attention interface")), reason
     else:
         assert f"model_type {path!r} is not supported" in reason, reason
 
@@ -171,10 +189,21 @@ def test_layers_outside_the_attention_interface_are_caught(monkeypatch):
     """A type whose attention does not go through HF's interface never writes the cache: its
     forward is refused, not run wrong (Bloom, put on the allowlist here)."""
     monkeypatch.setattr(registry, "FALLBACK_MODEL_TYPES", registry.FALLBACK_MODEL_TYPES + ("bloom",))
+    monkeypatch.setattr(fallback, "_dispatches_attention", lambda module_name: True)  # passes the up-front check
     model = tiny("bloom")
     with pytest.raises(RuntimeError, match="0 of 2 layers ran pagedkv's attention"):
         pagedkv.generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2, pad_token_id=0)
     assert_nothing_held(model)
+
+
+def test_a_module_without_attention_dispatch_is_refused_before_running(monkeypatch):
+    """GPT-J and CodeGen in transformers 5.17 compute attention in their own `_attn`: refused up
+    front (the layer count above would only catch it mid-call)."""
+    model = tiny("gpt_neox")
+    assert fallback._dispatches_attention(type(model).__module__)
+    monkeypatch.setattr(fallback, "_dispatches_attention", lambda module_name: module_name != type(model).__module__)
+    assert_refused_outside_the_attention_interface(model)
+    assert "GPTNeoXForCausalLM's attention" in pagedkv.unsupported_reason(model)
 
 
 def test_an_error_mid_forward_restores_the_model(monkeypatch):

@@ -127,3 +127,19 @@ def test_a_phase_that_does_not_repeat_per_step_has_no_per_step_time():
     assert _phase_ms("sample", short, long, 8) is None
     assert math.isclose(_phase_ms("decode_step", short, long, 8), 1.0 / 8)
     assert _phase_ms("metadata", short, long, 8) is None  # never entered
+
+
+def test_a_kernel_launched_early_is_charged_only_the_time_it_holds_the_device_alone():
+    """Programmatic dependent launch starts a kernel while the one before it still runs (it waits
+    inside): its profiled span overlaps, and plain durations summed to more than the step."""
+    from pagedkv.tools.profiling import _busy_per_kernel, _union_ms
+
+    # (start us, end us, name): norm starts at 8 while gemv runs to 10; gemv2 overlaps norm.
+    kernels = [(12.0, 20.0, "gemv"), (0.0, 10.0, "gemv"), (8.0, 11.0, "norm"), (30.0, 31.0, "norm")]
+    table = _busy_per_kernel(kernels)
+    assert math.isclose(table["gemv"][0], (10.0 + 8.0) / 1e3) and table["gemv"][1] == 2
+    assert math.isclose(table["norm"][0], (1.0 + 1.0) / 1e3) and table["norm"][1] == 2
+    total = sum(ms for ms, _ in table.values())
+    assert math.isclose(total, _union_ms([(a, b) for a, b, _ in kernels]))
+    # A kernel entirely inside another's span holds the device alone for no time at all.
+    assert _busy_per_kernel([(0.0, 10.0, "a"), (2.0, 5.0, "b")])["b"] == (0.0, 1)

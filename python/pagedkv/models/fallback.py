@@ -20,9 +20,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import inspect
+import sys
 
 import torch
+import transformers
 from transformers.modeling_utils import AttentionInterface
 
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
@@ -76,11 +79,27 @@ def fallback_reason(model) -> str | None:
     if layer_types - {"full_attention", "sliding_attention"}:
         return (f"layer_types {sorted(layer_types)} (only full and sliding attention layers run "
                 "over the paged cache)")
+    if not _dispatches_attention(type(model).__module__):
+        return (f"{type(model).__name__}'s attention computes its scores itself in transformers "
+                f"{transformers.__version__}, not through HF's attention interface, which is what "
+                "pagedkv replaces to run it (a newer transformers may route it there)")
     if model.get_output_embeddings() is None:
         return f"no LM head ({type(model).__name__} is not a *ForCausalLM model)"
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return f"a forward without logits_to_keep ({type(model).__name__})"
     return None
+
+
+@functools.cache
+def _dispatches_attention(module_name: str) -> bool:
+    """Whether a modeling module calls HF's attention functions (ALL_ATTENTION_FUNCTIONS) at all:
+    GPT-J's and CodeGen's in transformers 5.17 do not (their own `_attn`), 5.24's do. Read off the
+    source; a module without readable source passes, and the per-call count of layers that ran
+    the function (`layers_run`) still catches it."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return True
 
 
 @dataclasses.dataclass(slots=True)

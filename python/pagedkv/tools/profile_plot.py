@@ -35,7 +35,8 @@ def plot_profiles(profiles: list[StepProfile], path: pathlib.Path | None, title:
     by_category.set_yticks(range(len(labels)), labels)
     by_category.invert_yaxis()
     by_category.set_xlim(left=0)
-    by_category.set_xlabel(f"ms per decode step (profiled, {op} time)")
+    # CUDA: each kernel's time alone on the device (profiling._busy_per_kernel), overlaps once
+    by_category.set_xlabel(f"ms per decode step (profiled, {op} time" + (", overlaps counted once)" if cuda else ")"))
     by_category.set_title(f"where a step's {op} time goes")
     by_category.legend(loc="lower right")
 
