@@ -88,7 +88,9 @@ if [ "$RUN_TESTS" = 1 ]; then
   "$PY" -m pytest -m cuda -q -p no:cacheprovider tests "${PYTEST_ARGS[@]}" | tee "$RESULTS/.pytest.txt"
   rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || status=1
-  echo "- cuda tests: $(tail -1 "$RESULTS/.pytest.txt") (exit $rc)" >> "$SUMMARY"
+  # pytest's count line (not the last line: -rf or a doubled -q put others after it or drop it)
+  counts=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected)" "$RESULTS/.pytest.txt" | tail -1)
+  echo "- cuda tests: ${counts:-no count line printed (pytest -qq?)} (exit $rc)" >> "$SUMMARY"
   rm -f "$RESULTS/.pytest.txt"
 fi
 
