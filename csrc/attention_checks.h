@@ -5,11 +5,31 @@
 #pragma once
 #include <torch/types.h>
 
+#include <cmath>
+
 #include "checks.h"
 
 namespace pagedkv {
 
-inline bool is_supported_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
+// 64, 128, 256 have kernels of their own; the other multiples of 16 run those of the next wider
+// one (128 or 256) with the columns past head_dim zero.
+inline bool is_supported_head_dim(int64_t d) { return d >= 16 && d <= 256 && d % 16 == 0; }
+
+// The options both ops share: a sliding window of keys and a logit softcap, 0 = off.
+inline void check_attention_options(int64_t sliding_window, double logit_softcap) {
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "pagedkv: sliding_window is ",
+              sliding_window, "; allowed: 0 (none) or a positive number of keys below 2^31");
+  TORCH_CHECK(logit_softcap >= 0.0 && std::isfinite(logit_softcap), "pagedkv: logit_softcap is ",
+              logit_softcap, "; allowed: 0 (none) or a positive finite cap");
+}
+
+// What the CUDA kernels do not compute yet (the CPU ops do): refused rather than ignored.
+inline void check_cuda_attention_options(int64_t head_dim, int64_t sliding_window, double logit_softcap) {
+  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "pagedkv: q has head_dim ",
+              head_dim, "; allowed on CUDA: 64, 128, 256 (the CPU op takes any multiple of 16 up to 256)");
+  TORCH_CHECK(sliding_window == 0 && logit_softcap == 0.0, "pagedkv: sliding_window ", sliding_window,
+              " and logit_softcap ", logit_softcap, "; allowed on CUDA: 0 and 0 (the CPU op takes both)");
+}
 
 // The contract both paged attention ops share. out, q: [rows, Hq, D] (head_dim contiguous; rows
 // are sequences for decode, tokens for prefill, named by q_rows in messages); k_cache, v_cache:
@@ -38,7 +58,7 @@ inline void check_paged_kv_args(const at::Tensor& out, const at::Tensor& q,
   const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(is_supported_head_dim(head_dim), "pagedkv: q has head_dim ", head_dim,
-              "; allowed: 64, 128, 256");
+              "; allowed: a multiple of 16 from 16 to 256");
   TORCH_CHECK(k_cache.size(3) == head_dim, "pagedkv: k_cache has head_dim ", k_cache.size(3),
               " but q has ", head_dim, "; they must match");
   TORCH_CHECK(block_size >= 8 && block_size <= 128 && (block_size & (block_size - 1)) == 0,

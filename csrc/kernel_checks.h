@@ -107,6 +107,13 @@ inline void check_silu_and_mul_args(const at::Tensor& out, const at::Tensor& x) 
   check_contiguous(out, "out");
 }
 
+// silu_and_mul's activation by name: "silu" (Llama's) or "gelu_tanh" (HF's gelu_pytorch_tanh).
+inline bool is_gelu_tanh(c10::string_view activation) {
+  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "pagedkv: activation must be "
+              "'silu' or 'gelu_tanh', got '", std::string(activation), "'");
+  return activation == "gelu_tanh";
+}
+
 // out [B] int32/int64; logits [B, V] (last dim contiguous); per-row parameters [B]: temperatures
 // f32, top_k i32, top_p f32, seeds i64, offsets i64. seeds and offsets are needed to sample.
 inline void check_sample_args(const at::Tensor& out, const at::Tensor& logits,

@@ -5,9 +5,11 @@
 
 TORCH_LIBRARY(pagedkv, m) {
   // out = weight * rms_normalize(input); HF's rounding: normalize in fp32, round, then scale.
-  m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
+  // gemma_style: out = (1 + weight) * rms_normalize(input) in fp32, rounded once (GemmaRMSNorm).
+  m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon, bool gemma_style=False) -> ()");
   // residual = input + residual; input = weight * rms_normalize(residual). Both in place.
-  m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
+  m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon, "
+        "bool gemma_style=False) -> ()");
   // Tensor parallelism: residual += sum over ranks of input (each rank's partial sums, read from
   // every rank's peer buffer at the addresses peer_buffers[r]); input = weight * rms_normalize(
   // residual). One launch instead of an all-reduce and a norm (kernels/peer_all_reduce.h).
@@ -21,9 +23,11 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("gate_up_silu(Tensor! out, Tensor x, Tensor gate_up) -> ()");
   // out[b, h] = softmax(scale * q[b, h] . K) V over the context_lens[b] tokens block_tables[b] maps
   // to in k_cache/v_cache; workspace: fp32 split partials; num_splits 0: paged_decode_num_splits.
+  // sliding_window > 0: only the last sliding_window tokens; logit_softcap > 0: scaled scores
+  // capped to cap * tanh(score / cap) (both ops).
   m.def("paged_decode_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor! workspace, "
-        "int num_splits=0) -> ()");
+        "int num_splits=0, int sliding_window=0, float logit_softcap=0.0) -> ()");
   // The split count the CUDA path of paged_decode_attention picks from shapes and q's dtype
   // (host only).
   m.def("paged_decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int block_size, "
@@ -37,8 +41,9 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("rope_and_write_kv(Tensor! q, Tensor! k, Tensor v, Tensor positions, Tensor cos_sin_cache, "
         "Tensor! k_cache, Tensor! v_cache, Tensor slot_mapping, Tensor? q_norm_weight, "
         "Tensor? k_norm_weight, float epsilon) -> ()");
-  // out = silu(x[..., :I]) * x[..., I:] with HF's rounding (silu rounded, then the product).
-  m.def("silu_and_mul(Tensor! out, Tensor x) -> ()");
+  // out = act(x[..., :I]) * x[..., I:] with HF's rounding (act rounded, then the product);
+  // activation "silu" or "gelu_tanh" (HF's gelu_pytorch_tanh).
+  m.def("silu_and_mul(Tensor! out, Tensor x, str activation=\"silu\") -> ()");
   // out[b] = argmax (temperatures absent or <= 0) or a token drawn from softmax(logits/T) under
   // top-k/top-p with the counter-based uniform of (seeds[b], offsets[b]).
   m.def("sample(Tensor! out, Tensor logits, Tensor? temperatures, Tensor? top_k, Tensor? top_p, "
@@ -59,7 +64,8 @@ TORCH_LIBRARY(pagedkv, m) {
   // workspace: fp32 split partials, needed on CUDA when paged_prefill_num_splits > 1.
   m.def("paged_prefill_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale, "
-        "int max_query_len, Tensor(a!)? workspace=None) -> ()");
+        "int max_query_len, Tensor(a!)? workspace=None, int sliding_window=0, "
+        "float logit_softcap=0.0) -> ()");
   // The key splits the CUDA path of paged_prefill_attention picks from shapes, q's dtype and the
   // SM count (host only; max_tokens = max_blocks * block_size), and the fp32 floats of its
   // workspace (0 unsplit).
@@ -67,4 +73,15 @@ TORCH_LIBRARY(pagedkv, m) {
         "int num_kv_heads, int head_dim, ScalarType dtype, int max_tokens, int num_sms) -> int");
   m.def("paged_prefill_workspace_floats(int num_tokens, int num_q_heads, int head_dim, "
         "int num_splits) -> int");
+
+  // Mixture of experts (csrc/moe_checks.h), reading only the chosen experts' weights:
+  // out[t, j] = silu(x[t] @ gate^T) * (x[t] @ up^T) of expert expert_ids[t, j] (gate_up [E, 2I, D]).
+  m.def("moe_gate_up_silu(Tensor! out, Tensor x, Tensor gate_up, Tensor expert_ids) -> ()");
+  // out[t] = sum_j weights[t, j] * (act[t, j] @ down[expert_ids[t, j]]^T) with HF's rounding.
+  m.def("moe_down_sum(Tensor! out, Tensor act, Tensor down, Tensor expert_ids, Tensor weights) -> ()");
+
+  // Int4 weight-only linear (csrc/linear_w4a16_checks.h): out = x @ W^T, W [n, k] =
+  // (q - zeros) * scales per group of group_size input columns, q packed 8 a word in packed.
+  m.def("linear_w4a16(Tensor! out, Tensor x, Tensor packed, Tensor scales, Tensor zeros, "
+        "int group_size) -> ()");
 }

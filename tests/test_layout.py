@@ -11,7 +11,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "python" / "pagedkv"
 # Data flows top to bottom; a module may import its own subpackage and anything ranked lower.
 # hf and engine share a rank: neither imports the other.
-RANKS = {"_ext": 0, "ops": 1, "cache": 2, "layers": 2, "models": 3, "runtime": 4, "hf": 5,
+RANKS = {"_ext": 0, "ops": 1, "cache": 2, "layers": 2, "quant": 2, "models": 3, "runtime": 4, "hf": 5,
          "engine": 5, "tools": 6, "__init__": 7, "__main__": 7}
 MAX_LINES = 400
 

@@ -47,13 +47,11 @@ REFUSED = {
     "hyperclovax": "multiplier",
     "olmo2": "after the attention and MLP",
     "exaone4": "after the attention and MLP",
-    "gemma": "(1 + weight)",
     "arcee": "no gate",
     "jais2": "LayerNorm",
     "apertus": "xIELU",
     "olmo": "LayerNorm",
-    "mixtral": "experts",
-    "qwen3_moe": "experts",
+    "olmoe": "all heads",
     "youtu": "latent attention",
 }
 FIELDS = {"hunyuan_v1_dense": dict(head_dim=128)}  # its default config leaves head_dim None
@@ -176,10 +174,13 @@ def test_two_ranks_give_hf_greedy_tokens(tmp_path):
             assert torch.equal(got[name][1], expected[name]), (rank, name, "from checkpoint")
 
 
-def test_sliding_layers_refuse_sequences_past_their_window():
-    """CWM's sliding layers run as full ones: only sequences within the window, as Mistral's."""
-    model = tiny("cwm")
+@pytest.mark.cuda
+def test_sliding_layers_refuse_sequences_past_their_window_on_cuda():
+    """On CUDA (no window kernel yet) CWM's sliding layers run as full ones: only sequences
+    within the window, as Mistral's (past it on the CPU: tests/test_sliding_window.py)."""
+    model = tiny("cwm", "cuda")
     model.config.sliding_window = 16
-    with pytest.raises(ValueError, match="sliding_window is 16"):
-        pagedkv.generate(model, torch.tensor([[3] * 10]), max_new_tokens=10)
-    assert pagedkv.generate(model, torch.tensor([[3] * 10]), max_new_tokens=6).shape == (1, 16)
+    ids = torch.tensor([[3] * 10], device="cuda")
+    with pytest.raises(ValueError, match="sliding_window is 16.*CUDA"):
+        pagedkv.generate(model, ids, max_new_tokens=10)
+    assert pagedkv.generate(model, ids, max_new_tokens=6).shape == (1, 16)

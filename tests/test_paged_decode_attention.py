@@ -400,8 +400,8 @@ def test_bad_calls_name_the_argument(device):
 
     with pytest.raises(RuntimeError, match=r"k_cache has dtype Float but q has Half"):
         call(k=k_cache.float())
-    with pytest.raises(RuntimeError, match=r"q has head_dim 32; allowed: 64, 128, 256"):
-        call(q=q[..., :32].contiguous(), k=k_cache[..., :32].contiguous(), v=v_cache[..., :32].contiguous())
+    with pytest.raises(RuntimeError, match=r"q has head_dim 40; allowed: a multiple of 16 from 16 to 256"):
+        call(q=q[..., :40].contiguous(), k=k_cache[..., :40].contiguous(), v=v_cache[..., :40].contiguous())
     with pytest.raises(RuntimeError, match=r"k_cache has head_dim 128 but q has 64"):
         call(k=torch.cat([k_cache, k_cache], -1), v=torch.cat([v_cache, v_cache], -1))
     with pytest.raises(RuntimeError, match=r"block_size 12 \(dim 1\); allowed: a power of two from 8 to 128"):

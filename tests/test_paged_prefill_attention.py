@@ -63,10 +63,11 @@ def make_batch(seqs, num_q_heads, num_kv_heads, head_dim, block_size, dtype, dev
 
 
 def reference_paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                            scale, dtype):
+                            scale, dtype, window=0, softcap=0.0):
     """Walks each sequence's block table, gathers its K/V rows and runs causal softmax attention
-    of its new rows (the last q_len of its context) in `dtype`, softmax in fp32 at least. Rows
-    before position 0 get zeros."""
+    of its new rows (the last q_len of its context) in `dtype`, softmax in fp32 at least; a query
+    at position p sees keys j <= p with p - j < window (0: all), scores capped when softcap > 0.
+    Rows that see no key get zeros."""
     num_q_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -82,8 +83,13 @@ def reference_paged_prefill(q, k_cache, v_cache, block_tables, context_lens, que
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].to(dtype)
         qb = q[start:end].to(dtype).view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("ikgd,nkd->kgin", qb, k) * scale  # [Hkv, group, q_len, n]
+        if softcap > 0:  # Gemma-2's logit softcap
+            scores = softcap * torch.tanh(scores / softcap)
         positions = n - q_len + torch.arange(q_len, device=q.device)
-        visible = torch.arange(n, device=q.device)[None, :] <= positions[:, None]  # [q_len, n]
+        keys = torch.arange(n, device=q.device)[None, :]
+        visible = keys <= positions[:, None]  # [q_len, n]
+        if window > 0:  # HF's sliding-window mask
+            visible &= positions[:, None] - keys < window
         scores = scores.to(softmax_dtype).masked_fill(~visible, float("-inf"))
         p = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(dtype)  # no key visible: zeros
         out[start:end] = torch.einsum("kgin,nkd->ikgd", p, v).reshape(q_len, num_q_heads, head_dim)
@@ -287,8 +293,8 @@ def test_bad_calls_name_the_argument(device):
 
     with pytest.raises(RuntimeError, match=r"k_cache has dtype Float but q has Half"):
         call(k=k_cache.float())
-    with pytest.raises(RuntimeError, match=r"q has head_dim 32; allowed: 64, 128, 256"):
-        call(q=q[..., :32].contiguous(), k=k_cache[..., :32].contiguous(), v=v_cache[..., :32].contiguous())
+    with pytest.raises(RuntimeError, match=r"q has head_dim 40; allowed: a multiple of 16 from 16 to 256"):
+        call(q=q[..., :40].contiguous(), k=k_cache[..., :40].contiguous(), v=v_cache[..., :40].contiguous())
     with pytest.raises(RuntimeError, match=r"q has 3 heads and k_cache 2 kv heads"):
         call(q=q[:, :3].contiguous())
     with pytest.raises(RuntimeError, match=r"block_size 12 \(dim 1\); allowed: a power of two from 8 to 128"):

@@ -41,5 +41,8 @@ def test_unsupported_models_say_why(model, match):
 
 
 def test_mistral_window():
-    assert attention_window(MistralForCausalLM(MistralConfig(**SMALL, sliding_window=64))) == 64
-    assert attention_window(LlamaForCausalLM(LlamaConfig(**SMALL))) is None
+    """The window caps sequences only where the kernels do not compute it (CUDA, for now)."""
+    mistral = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=64))
+    assert attention_window(mistral) is None  # on the CPU
+    assert attention_window(mistral, torch.device("cuda")) == 64
+    assert attention_window(LlamaForCausalLM(LlamaConfig(**SMALL)), torch.device("cuda")) is None

@@ -21,7 +21,7 @@ namespace {
 template <typename T>
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                  const at::Tensor& context_lens, float scale) {
+                  const at::Tensor& context_lens, float scale, int64_t window, float softcap) {
   const int64_t batch = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads, max_blocks = block_tables.size(1);
@@ -38,6 +38,9 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t ctx = lens[b];
+      // The window's first key: the tokens before it are never read.
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t n = ctx - lo;
       const int* table = tables + b * max_blocks;
       auto cache_row = [&](const T* base, int64_t t) {
         const int64_t block = table[t / block_size];
@@ -48,33 +51,33 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
         const T* src = q_base + b * q.stride(0) + (kv_head * group + h) * q.stride(1);
         for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
-      scores.resize(group * ctx);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* k = cache_row(k_base, t);
+      scores.resize(group * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* k = cache_row(k_base, lo + t);
         for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]);
         for (int64_t h = 0; h < group; ++h) {
           const float* qh = qf.data() + h * head_dim;
           float dot = 0.f;
           for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * row[d];
-          scores[h * ctx + t] = dot;
+          scores[h * n + t] = softcap > 0.f ? softcap * std::tanh(dot / softcap) : dot;
         }
       }
       for (int64_t h = 0; h < group; ++h) {
-        float* s = scores.data() + h * ctx;
-        const float max = ctx > 0 ? *std::max_element(s, s + ctx) : 0.f;
+        float* s = scores.data() + h * n;
+        const float max = n > 0 ? *std::max_element(s, s + n) : 0.f;
         double sum = 0.0;
-        for (int64_t t = 0; t < ctx; ++t) {
+        for (int64_t t = 0; t < n; ++t) {
           s[t] = std::exp(s[t] - max);
           sum += s[t];
         }
         sums[h] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.0);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* v = cache_row(v_base, t);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* v = cache_row(v_base, lo + t);
         for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]);
         for (int64_t h = 0; h < group; ++h) {
-          const double p = scores[h * ctx + t];
+          const double p = scores[h * n + t];
           double* a = acc.data() + h * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
         }
@@ -94,13 +97,16 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 void paged_decode_attention_cpu(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
                                 const at::Tensor& context_lens, double scale,
-                                at::Tensor& workspace, int64_t num_splits) {
+                                at::Tensor& workspace, int64_t num_splits,
+                                int64_t sliding_window, double logit_softcap) {
   check_paged_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, workspace,
                           num_splits);
+  check_attention_options(sliding_window, logit_softcap);
   check_tables(block_tables, context_lens, k_cache.size(1), k_cache.size(0));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode_attention_cpu", [&] {
     paged_decode<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens,
-                           static_cast<float>(scale));
+                           static_cast<float>(scale), sliding_window,
+                           static_cast<float>(logit_softcap));
   });
 }
 

@@ -41,7 +41,7 @@ template <typename T>
 void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                    const at::Tensor& context_lens, const at::Tensor& query_start_loc,
-                   float scale) {
+                   float scale, int64_t window, float softcap) {
   const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
@@ -74,6 +74,8 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         // Keys 0 .. the chunk's last position; a row before position 0 (a padding row: context
         // 0, one token) sees none and gets zeros.
         const int64_t keys = std::clamp<int64_t>(ctx - q_len + c + tokens, 0, ctx);
+        // With a window, keys before the chunk's first row's window are never read: [k0, keys).
+        const int64_t k0 = window > 0 ? std::clamp<int64_t>(ctx - q_len + c - window + 1, 0, keys) : 0;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t i = c + r / group, h = kv_head * group + r % group;
           pos[r] = ctx - q_len + i;
@@ -81,15 +83,16 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
           for (int64_t d = 0; d < head_dim; ++d) qf[r * head_dim + d] = static_cast<float>(src[d]) * scale;
         }
         scores.resize(rows * keys);
-        for (int64_t t = 0; t < keys; ++t) {
+        for (int64_t t = k0; t < keys; ++t) {
           const T* k = cache_row(k_base, t);
           for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]);
           for (int64_t r = 0; r < rows; ++r) {
             float dot = kMasked;
-            if (t <= pos[r]) {
+            if (t <= pos[r] && (window == 0 || pos[r] - t < window)) {
               const float* qr = qf.data() + r * head_dim;
               dot = 0.f;
               for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * row[d];
+              if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);
             }
             scores[r * keys + t] = dot;
           }
@@ -97,16 +100,17 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         for (int64_t r = 0; r < rows; ++r) {
           float* s = scores.data() + r * keys;
           const int64_t seen = std::clamp<int64_t>(pos[r] + 1, 0, keys);
-          const float max = seen > 0 ? *std::max_element(s, s + seen) : 0.f;
+          const int64_t from = window > 0 ? std::clamp<int64_t>(pos[r] - window + 1, k0, seen) : 0;
+          const float max = seen > from ? *std::max_element(s + from, s + seen) : 0.f;
           double sum = 0.0;
           for (int64_t t = 0; t < keys; ++t) {
-            s[t] = t < seen ? std::exp(s[t] - max) : 0.f;
+            s[t] = t >= from && t < seen ? std::exp(s[t] - max) : 0.f;
             sum += s[t];
           }
           sums[r] = sum;
         }
         std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.0);
-        for (int64_t t = 0; t < keys; ++t) {
+        for (int64_t t = k0; t < keys; ++t) {
           const T* v = cache_row(v_base, t);
           for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]);
           for (int64_t r = 0; r < rows; ++r) {
@@ -135,14 +139,17 @@ void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& q, const at:
                                  const at::Tensor& context_lens,
                                  const at::Tensor& query_start_loc, double scale,
                                  int64_t max_query_len,
-                                 const std::optional<at::Tensor>& workspace) {
+                                 const std::optional<at::Tensor>& workspace,
+                                 int64_t sliding_window, double logit_softcap) {
   check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            max_query_len, workspace);
+  check_attention_options(sliding_window, logit_softcap);
   check_metadata(block_tables, context_lens, query_start_loc, q.size(0), max_query_len,
                  k_cache.size(1), k_cache.size(0));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_prefill_attention_cpu", [&] {
     paged_prefill<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens,
-                            query_start_loc, static_cast<float>(scale));
+                            query_start_loc, static_cast<float>(scale), sliding_window,
+                            static_cast<float>(logit_softcap));
   });
 }
 

@@ -1,5 +1,8 @@
 // CPU silu_and_mul with HF's rounding: silu(gate) = gate / (1 + exp(-gate)) in fp32, rounded to
-// the dtype, then times up, rounded again.
+// the dtype, then times up, rounded again. activation "gelu_tanh": HF's own ops,
+// at::gelu(gate, "tanh") * up: torch's vectorized tanh differs from std::tanh by an ulp now and
+// then, which 1 + tanh amplifies where it cancels; this way every bit is HF's.
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -10,9 +13,14 @@
 
 namespace pagedkv {
 
-void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x) {
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x, c10::string_view activation) {
+  const bool gelu = is_gelu_tanh(activation);
   check_silu_and_mul_args(out, x);
   const int64_t intermediate = out.size(-1);
+  if (gelu) {
+    at::mul_out(out, at::gelu(x.narrow(-1, 0, intermediate), "tanh"), x.narrow(-1, intermediate, intermediate));
+    return;
+  }
   const int64_t rows = out.numel() / intermediate;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "silu_and_mul_cpu", [&] {
     using T = scalar_t;
@@ -32,6 +40,12 @@ void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
-TORCH_LIBRARY_IMPL(pagedkv, CPU, m) { m.impl("silu_and_mul", &silu_and_mul_cpu); }
+// gate_up_silu's GEMM + activation (cpu/linear.cpp).
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x) { silu_and_mul_cpu(out, x, "silu"); }
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("silu_and_mul",
+         static_cast<void (*)(at::Tensor&, const at::Tensor&, c10::string_view)>(&silu_and_mul_cpu));
+}
 
 }  // namespace pagedkv

@@ -13,7 +13,8 @@ namespace pagedkv {
 inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Tensor& out,
                                       const at::Tensor& q, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                      const at::Tensor& context_lens, double scale) {
+                                      const at::Tensor& context_lens, double scale,
+                                      int64_t sliding_window, double logit_softcap) {
   const int64_t elem = q.element_size();
   TORCH_CHECK(aligned16(q.const_data_ptr()) && aligned16(out.const_data_ptr()) &&
                   (q.stride(0) * elem) % 16 == 0 && (q.stride(1) * elem) % 16 == 0 &&
@@ -45,6 +46,8 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
   args.block_size = static_cast<int>(k_cache.size(1));
   args.max_blocks = static_cast<int>(block_tables.size(1));
   args.scale = static_cast<float>(scale);
+  args.sliding_window = static_cast<int>(sliding_window);
+  args.logit_softcap = static_cast<float>(logit_softcap);
 }
 
 // The kernels' view of a split workspace whose size the launcher has checked: null when the

@@ -26,12 +26,16 @@ int64_t auto_num_splits(const at::Tensor& q, const at::Tensor& k_cache,
 void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                                  const at::Tensor& context_lens, double scale,
-                                 at::Tensor& workspace, int64_t num_splits) {
+                                 at::Tensor& workspace, int64_t num_splits,
+                                 int64_t sliding_window, double logit_softcap) {
   check_paged_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, workspace,
                           num_splits);
+  check_attention_options(sliding_window, logit_softcap);
+  check_cuda_attention_options(q.size(2), sliding_window, logit_softcap);
   check_cuda(q, "q");
   kernels::PagedDecodeArgs args{};
-  fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale);
+  fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
+                            sliding_window, logit_softcap);
   const c10::cuda::CUDAGuard guard(q.device());
   const int num_sms = sm_count(q.device().index());
   if (num_splits == 0) num_splits = auto_num_splits(q, k_cache, block_tables, num_sms);

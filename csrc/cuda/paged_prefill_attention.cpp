@@ -16,15 +16,19 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
                                   const at::Tensor& context_lens,
                                   const at::Tensor& query_start_loc, double scale,
                                   int64_t max_query_len,
-                                  const std::optional<at::Tensor>& workspace) {
+                                  const std::optional<at::Tensor>& workspace,
+                                  int64_t sliding_window, double logit_softcap) {
   check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            max_query_len, workspace);
+  check_attention_options(sliding_window, logit_softcap);
+  check_cuda_attention_options(q.size(2), sliding_window, logit_softcap);
   check_cuda(q, "q");
   if (q.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
 
   kernels::PagedPrefillArgs args{};
-  fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale);
+  fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
+                            sliding_window, logit_softcap);
   args.query_start_loc = query_start_loc.const_data_ptr<int>();
   args.num_tokens = static_cast<int>(q.size(0));
   args.max_query_len = static_cast<int>(max_query_len);

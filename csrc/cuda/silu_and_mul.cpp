@@ -8,16 +8,23 @@
 
 namespace pagedkv {
 
-void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& x) {
+void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& x, c10::string_view activation) {
+  const bool gelu_tanh = is_gelu_tanh(activation);
   check_silu_and_mul_args(out, x);
   check_cuda(x, "x");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t intermediate = out.size(-1);
   C10_CUDA_CHECK(kernels::silu_and_mul(out.data_ptr(), x.const_data_ptr(), out.numel() / intermediate,
-                                       intermediate, kernel_dtype(x),
+                                       intermediate, gelu_tanh, kernel_dtype(x),
                                        c10::cuda::getCurrentCUDAStream()));
 }
 
-TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) { m.impl("silu_and_mul", &silu_and_mul_cuda); }
+// gate_up_silu's path beyond its fused kernel (cuda/linear.cpp).
+void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& x) { silu_and_mul_cuda(out, x, "silu"); }
+
+TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
+  m.impl("silu_and_mul",
+         static_cast<void (*)(at::Tensor&, const at::Tensor&, c10::string_view)>(&silu_and_mul_cuda));
+}
 
 }  // namespace pagedkv

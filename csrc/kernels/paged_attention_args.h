@@ -22,6 +22,10 @@ struct PagedAttentionArgs {
   int64_t cache_stride_block, cache_stride_token, cache_stride_head;
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
   float scale;
+  // A query at position p sees keys j with p - j < sliding_window (0: every key up to p); scaled
+  // scores become logit_softcap * tanh(score / logit_softcap) before the softmax (0: as they are).
+  int sliding_window;
+  float logit_softcap;
 };
 // Filled by the host compiler, read by nvcc's code: a POD keeps the two layouts identical (and the
 // structs deriving from it put their own fields after its tail padding, never inside it).

@@ -1,7 +1,8 @@
 // RMSNorm and residual-add + RMSNorm: one thread block per row, fp32 accumulation, 16-byte
 // accesses when the row allows. Rounding follows HF's LlamaRMSNorm so greedy tokens match:
 // normalize in fp32, round to T, multiply by the weight, round again. The residual sum is rounded
-// to T before it is squared, as HF adds the residual in the model's dtype.
+// to T before it is squared, as HF adds the residual in the model's dtype. kGemma: GemmaRMSNorm's
+// rounding instead (kernels/rms_norm.cuh).
 #include <algorithm>
 #include <cstdint>
 
@@ -15,7 +16,7 @@ namespace {
 
 // out [rows, hidden], residual [rows, hidden] (only if kAddResidual), input [rows, hidden],
 // weight [hidden]. For the fused op out == input: no __restrict__ on those two.
-template <typename T, int kVec, bool kAddResidual>
+template <typename T, int kVec, bool kAddResidual, bool kGemma>
 __global__ void rms_norm_kernel(T* out, T* residual, const T* input,
                                 const T* __restrict__ weight, int hidden, float epsilon) {
   begin_dependent_kernel();
@@ -44,11 +45,11 @@ __global__ void rms_norm_kernel(T* out, T* residual, const T* input,
 
   // Each thread re-reads exactly the elements it wrote above, so no barrier is needed.
   const V* src_row = kAddResidual ? res_row : in_row;
-  write_normalized_row<T, kVec>(reinterpret_cast<V*>(out + row_offset), src_row,
+  write_normalized_row<T, kVec, kGemma>(reinterpret_cast<V*>(out + row_offset), src_row,
                                 reinterpret_cast<const V*>(weight), num_vecs, inv_rms);
 }
 
-template <bool kAddResidual>
+template <bool kAddResidual, bool kGemma>
 cudaError_t launch(void* out, void* residual, const void* input, const void* weight, int64_t rows,
                    int hidden, float epsilon, DType dtype, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
@@ -65,9 +66,9 @@ cudaError_t launch(void* out, void* residual, const void* input, const void* wei
     auto* x = static_cast<const T*>(input);
     auto* w = static_cast<const T*>(weight);
     if (vectorized) {
-      launch_dependent(rms_norm_kernel<T, kVec, kAddResidual>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
+      launch_dependent(rms_norm_kernel<T, kVec, kAddResidual, kGemma>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
     } else {
-      launch_dependent(rms_norm_kernel<T, 1, kAddResidual>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
+      launch_dependent(rms_norm_kernel<T, 1, kAddResidual, kGemma>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
     }
     return cudaGetLastError();
   });
@@ -76,13 +77,20 @@ cudaError_t launch(void* out, void* residual, const void* input, const void* wei
 }  // namespace
 
 cudaError_t rms_norm(void* out, const void* input, const void* weight, int64_t rows, int hidden,
-                     float epsilon, DType dtype, cudaStream_t stream) {
-  return launch<false>(out, nullptr, input, weight, rows, hidden, epsilon, dtype, stream);
+                     float epsilon, bool gemma_style, DType dtype, cudaStream_t stream) {
+  if (gemma_style) {
+    return launch<false, true>(out, nullptr, input, weight, rows, hidden, epsilon, dtype, stream);
+  }
+  return launch<false, false>(out, nullptr, input, weight, rows, hidden, epsilon, dtype, stream);
 }
 
 cudaError_t fused_add_rms_norm(void* input, void* residual, const void* weight, int64_t rows,
-                               int hidden, float epsilon, DType dtype, cudaStream_t stream) {
-  return launch<true>(input, residual, input, weight, rows, hidden, epsilon, dtype, stream);
+                               int hidden, float epsilon, bool gemma_style, DType dtype,
+                               cudaStream_t stream) {
+  if (gemma_style) {
+    return launch<true, true>(input, residual, input, weight, rows, hidden, epsilon, dtype, stream);
+  }
+  return launch<true, false>(input, residual, input, weight, rows, hidden, epsilon, dtype, stream);
 }
 
 }  // namespace pagedkv::kernels

@@ -9,12 +9,14 @@
 
 namespace pagedkv::kernels {
 
-// out, input: [rows, hidden]; weight: [hidden].
+// out, input: [rows, hidden]; weight: [hidden]. gemma_style: scale by (1 + weight) in fp32 and
+// round once (HF's GemmaRMSNorm), else round the normalized value, then times weight (Llama's).
 cudaError_t rms_norm(void* out, const void* input, const void* weight, int64_t rows, int hidden,
-                     float epsilon, DType dtype, cudaStream_t stream);
+                     float epsilon, bool gemma_style, DType dtype, cudaStream_t stream);
 
 // input, residual: [rows, hidden], both updated in place; weight: [hidden].
 cudaError_t fused_add_rms_norm(void* input, void* residual, const void* weight, int64_t rows,
-                               int hidden, float epsilon, DType dtype, cudaStream_t stream);
+                               int hidden, float epsilon, bool gemma_style, DType dtype,
+                               cudaStream_t stream);
 
 }  // namespace pagedkv::kernels

@@ -1,4 +1,5 @@
-// out = silu(gate) * up with HF's rounding (kernels/silu.cuh), 16-byte accesses when aligned.
+// out = silu(gate) * up (or gelu_tanh(gate) * up) with HF's rounding (kernels/silu.cuh), 16-byte
+// accesses when aligned.
 #include <algorithm>
 #include <cstdint>
 
@@ -13,7 +14,7 @@ namespace {
 constexpr int kThreads = 256;
 
 // Rows on grid.x (there may be many), kVec-element chunks of a row on grid.y x threads.
-template <typename T, int kVec>
+template <typename T, int kVec, bool kGeluTanh>
 __global__ void __launch_bounds__(kThreads) silu_and_mul_kernel(T* __restrict__ out,
                                                                const T* __restrict__ x,
                                                                int64_t intermediate) {
@@ -30,15 +31,16 @@ __global__ void __launch_bounds__(kThreads) silu_and_mul_kernel(T* __restrict__ 
     const V u = up[i];
     V y;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) y.v[j] = silu_mul(g.v[j], u.v[j]);
+    for (int j = 0; j < kVec; ++j) {
+      y.v[j] = kGeluTanh ? gelu_tanh_mul(g.v[j], u.v[j]) : silu_mul(g.v[j], u.v[j]);
+    }
     dst[i] = y;
   }
 }
 
-}  // namespace
-
-cudaError_t silu_and_mul(void* out, const void* x, int64_t rows, int64_t intermediate, DType dtype,
-                         cudaStream_t stream) {
+template <bool kGeluTanh>
+cudaError_t launch(void* out, const void* x, int64_t rows, int64_t intermediate, DType dtype,
+                   cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -50,12 +52,20 @@ cudaError_t silu_and_mul(void* out, const void* x, int64_t rows, int64_t interme
     auto* o = static_cast<T*>(out);
     auto* in = static_cast<const T*>(x);
     if (vectorized) {
-      launch_dependent(silu_and_mul_kernel<T, kVec>, grid, kThreads, 0, stream, o, in, intermediate);
+      launch_dependent(silu_and_mul_kernel<T, kVec, kGeluTanh>, grid, kThreads, 0, stream, o, in, intermediate);
     } else {
-      launch_dependent(silu_and_mul_kernel<T, 1>, grid, kThreads, 0, stream, o, in, intermediate);
+      launch_dependent(silu_and_mul_kernel<T, 1, kGeluTanh>, grid, kThreads, 0, stream, o, in, intermediate);
     }
     return cudaGetLastError();
   });
+}
+
+}  // namespace
+
+cudaError_t silu_and_mul(void* out, const void* x, int64_t rows, int64_t intermediate, bool gelu_tanh,
+                         DType dtype, cudaStream_t stream) {
+  if (gelu_tanh) return launch<true>(out, x, rows, intermediate, dtype, stream);
+  return launch<false>(out, x, rows, intermediate, dtype, stream);
 }
 
 }  // namespace pagedkv::kernels

@@ -9,7 +9,8 @@
 namespace pagedkv::kernels {
 
 // out [rows, intermediate], x [rows, 2 * intermediate] (gate, then up), both contiguous.
-cudaError_t silu_and_mul(void* out, const void* x, int64_t rows, int64_t intermediate, DType dtype,
-                         cudaStream_t stream);
+// gelu_tanh: act = GELU (tanh approximation) instead of SiLU.
+cudaError_t silu_and_mul(void* out, const void* x, int64_t rows, int64_t intermediate, bool gelu_tanh,
+                         DType dtype, cudaStream_t stream);
 
 }  // namespace pagedkv::kernels

@@ -15,27 +15,31 @@ _ops = torch.ops.pagedkv
 
 
 def rms_norm(
-    input: torch.Tensor, weight: torch.Tensor, epsilon: float, out: torch.Tensor | None = None
+    input: torch.Tensor, weight: torch.Tensor, epsilon: float, out: torch.Tensor | None = None,
+    gemma_style: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with HF's rounding: ``weight * (input * rsqrt(mean(input**2) + eps)).to(dtype)``.
 
     input: [..., hidden] contiguous, float32/float16/bfloat16; weight: [hidden], same dtype and
-    device; out: like input, or None to allocate one. Returns out.
+    device; out: like input, or None to allocate one. Returns out. gemma_style: HF's
+    GemmaRMSNorm instead, ``(normed_fp32 * (1 + weight.float())).to(dtype)``.
     """
     if out is None:
         out = torch.empty_like(input)
-    _ops.rms_norm(out, input, weight, epsilon)
+    _ops.rms_norm(out, input, weight, epsilon, gemma_style)
     return out
 
 
 def fused_add_rms_norm(
-    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float,
+    gemma_style: bool = False,
 ) -> None:
     """In place: ``residual += input`` (rounded to the dtype), then ``input = rms_norm(residual)``.
 
-    input, residual: [..., hidden] contiguous, same dtype/device; weight: [hidden].
+    input, residual: [..., hidden] contiguous, same dtype/device; weight: [hidden]; gemma_style
+    as rms_norm's.
     """
-    _ops.fused_add_rms_norm(input, residual, weight, epsilon)
+    _ops.fused_add_rms_norm(input, residual, weight, epsilon, gemma_style)
 
 
 def linear(
@@ -54,21 +58,25 @@ def linear(
     return out
 
 
-def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor | None = None,
+                 activation: str = "silu") -> torch.Tensor:
     """The MLP's first half, HF's rounding: ``silu(x @ gate^T) * (x @ up^T)``.
 
     x: [..., K] (last dim contiguous); gate_up: [2 * I, K], the gate rows then the up rows (the
     fused weight); out: [..., I]. On CUDA, 1-8 rows of bf16/fp16 x run as one weight-streaming
     kernel (no [.., 2 * I] intermediate, no second launch); otherwise a GEMM + silu_and_mul.
+    activation "gelu_tanh" (HF's gelu_pytorch_tanh, Gemma's) always runs as linear + silu_and_mul.
     """
     if out is None:
         out = x.new_empty((*x.shape[:-1], gate_up.shape[0] // 2))
+    if activation != "silu":
+        return silu_and_mul(linear(x, gate_up), out=out, activation=activation)
     _ops.gate_up_silu(out, x, gate_up)
     return out
 
 
 @torch.library.register_fake("pagedkv::rms_norm")
-def _rms_norm_fake(out, input, weight, epsilon) -> None:
+def _rms_norm_fake(out, input, weight, epsilon, gemma_style=False) -> None:
     return None
 
 
@@ -83,7 +91,7 @@ def _gate_up_silu_fake(out, x, gate_up) -> None:
 
 
 @torch.library.register_fake("pagedkv::fused_add_rms_norm")
-def _fused_add_rms_norm_fake(input, residual, weight, epsilon) -> None:
+def _fused_add_rms_norm_fake(input, residual, weight, epsilon, gemma_style=False) -> None:
     return None
 
 
@@ -151,13 +159,13 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
-    num_splits: int = 0,
+    num_splits: int = 0, *, sliding_window: int = 0, logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache: for each sequence b and query head h,
     ``out[b, h] = softmax(scale * K_b @ q[b, h]) @ V_b`` where K_b, V_b are the first
     ``context_lens[b]`` tokens of kv head ``h // (Hq // Hkv)`` read through ``block_tables[b]``.
 
-    q: [B, Hq, D] (head_dim contiguous; other strides free), D in {64, 128, 256},
+    q: [B, Hq, D] (head_dim contiguous; other strides free), D a multiple of 16 up to 256,
     float32/float16/bfloat16; k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype,
     head_dim contiguous and the same strides (e.g. a head-major [num_blocks, Hkv, block_size, D]
     store passed as its transpose(1, 2) view), block_size a power of two in [8, 128], Hq a
@@ -165,23 +173,23 @@ def paged_decode_attention(
     never used); context_lens: [B] int32, at most max_blocks * block_size, 0 for a padding row
     (its output is zeros).
     out: like q, or None to allocate one. workspace: from ``paged_decode_workspace`` (allocated
-    here when None; pass it under CUDA graphs and torch.compile). num_splits: 0 = automatic.
-    Returns out.
+    here when None; pass it under CUDA graphs and torch.compile). num_splits: 0 = automatic. Returns
+    out. sliding_window > 0: the last sliding_window tokens only; logit_softcap > 0: scaled scores
+    become ``cap * tanh(score / cap)`` (Gemma-2). Both CPU-only so far (CUDA refuses them).
     """
     if out is None:
         out = torch.empty_like(q)
     if workspace is None:
         workspace = paged_decode_workspace(q, k_cache, block_tables, num_splits)
     _ops.paged_decode_attention(
-        out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace, num_splits
-    )
+        out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace, num_splits,
+        sliding_window, logit_softcap)
     return out
 
 
 @torch.library.register_fake("pagedkv::paged_decode_attention")
-def _paged_decode_attention_fake(
-    out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace, num_splits=0
-) -> None:
+def _paged_decode_attention_fake(out, q, k_cache, v_cache, block_tables, context_lens, scale,
+                                 workspace, num_splits=0, sliding_window=0, logit_softcap=0.0) -> None:
     return None
 
 
@@ -216,15 +224,16 @@ def rope_and_write_kv(
                            q_norm_weight, k_norm_weight, epsilon)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(x[..., :I]) * x[..., I:]`` rounded as HF's ``act_fn(gate) * up`` in the dtype.
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """``act(x[..., :I]) * x[..., I:]`` rounded as HF's ``act_fn(gate) * up`` in the dtype.
 
     x: [..., 2 * I] contiguous (gate, then up), float32/float16/bfloat16; out: [..., I] or None
-    to allocate one. Returns out.
+    to allocate one; activation: "silu" or "gelu_tanh" (HF's gelu_pytorch_tanh, torch's
+    ``gelu(approximate="tanh")``). Returns out.
     """
     if out is None:
         out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-    _ops.silu_and_mul(out, x)
+    _ops.silu_and_mul(out, x, activation)
     return out
 
 
@@ -291,7 +300,7 @@ def _rope_and_write_kv_fake(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
 
 
 @torch.library.register_fake("pagedkv::silu_and_mul")
-def _silu_and_mul_fake(out, x) -> None:
+def _silu_and_mul_fake(out, x, activation="silu") -> None:
     return None
 
 
@@ -349,7 +358,7 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
-    workspace: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None, *, sliding_window: int = 0, logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of new tokens (prefill chunks of several sequences) over
     a paged KV cache that already holds them.
@@ -362,7 +371,7 @@ def paged_prefill_attention(
     one token) gets zeros; q_len 0 does nothing; rows of q outside every sequence are not written.
 
     q: [T, Hq, D] (head_dim contiguous; token/head strides free, e.g. a view of a fused QKV
-    output), D in {64, 128, 256}, float32/float16/bfloat16; k_cache, v_cache:
+    output), D a multiple of 16 up to 256, float32/float16/bfloat16; k_cache, v_cache:
     [num_blocks, block_size, Hkv, D], same dtype, head_dim contiguous and the same strides (as
     paged_decode_attention), block_size a power of two in [8, 128]; block_tables:
     [B, max_blocks] int32; context_lens: [B] int32 (at most max_blocks * block_size);
@@ -371,7 +380,8 @@ def paged_prefill_attention(
     device (the CPU raises if a sequence has more rows; on CUDA such rows may stay unwritten).
     out: like q, or None to allocate one. workspace: from ``paged_prefill_workspace`` when
     ``paged_prefill_num_splits`` > 1 (on CUDA allocated here if None; under torch.compile or in
-    a CUDA graph pass one in). Returns out.
+    a CUDA graph pass one in). sliding_window, logit_softcap: as paged_decode_attention (a row
+    at position p sees keys j with p - j < sliding_window). Returns out.
     """
     if out is None:
         out = torch.empty_like(q)
@@ -379,14 +389,11 @@ def paged_prefill_attention(
         workspace = paged_prefill_workspace(q, k_cache, block_tables, max_query_len)
     _ops.paged_prefill_attention(
         out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len,
-        workspace,
-    )
+        workspace, sliding_window, logit_softcap)
     return out
 
 
 @torch.library.register_fake("pagedkv::paged_prefill_attention")
-def _paged_prefill_attention_fake(
-    out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len,
-    workspace=None,
-) -> None:
+def _paged_prefill_attention_fake(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                  scale, max_query_len, workspace=None, sliding_window=0, logit_softcap=0.0) -> None:
     return None

@@ -43,7 +43,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.step_outputs import deliver, step_outputs
 from pagedkv.engine.watched import read_watched
-from pagedkv.models.registry import attention_window, check_supported
+from pagedkv.models.registry import WINDOW_KERNEL_MISSING, attention_window, check_supported
 from pagedkv.runtime.model import check_unchanged, prepared
 from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted, overlap_wanted, to_device
 from pagedkv.runtime.sampler import Sampler
@@ -90,9 +90,9 @@ class LLM(BatchAPI):
         self.tp = state.tp
         self.device = state.device
         limit = state.max_positions
-        window = attention_window(model)
-        if window is not None:
-            limit = min(limit, window)
+        self._window = attention_window(model, self.device)  # None where the kernels compute windows
+        if self._window is not None:
+            limit = min(limit, self._window)
         sizing = cache_sizing(kv_cache_memory, num_kv_blocks, self.device)
         w = state.weights
         if self.tp is not None:
@@ -176,7 +176,8 @@ class LLM(BatchAPI):
         if len(ids) >= self.max_model_len:
             raise ValueError(f"pagedkv.LLM: the prompt has {len(ids)} tokens; at most "
                              f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len}, one "
-                             "token left to generate)")
+                             "token left to generate" + (f"; the model's sliding_window {self._window} "
+                             f"caps it: {WINDOW_KERNEL_MISSING})" if self._window == self.max_model_len else ")"))
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"pagedkv.LLM: n = {params.n} samples is more than max_num_seqs "
                              f"({self.scheduler.max_num_seqs})")

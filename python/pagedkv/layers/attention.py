@@ -41,11 +41,27 @@ def attention_workspace(q: torch.Tensor, k_cache: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: ForwardMetadata, scale: float,
-                    workspace: torch.Tensor | None) -> torch.Tensor:
-    """q [T, Hq, Dh] (K/V of the new tokens already written) -> [T, Hq, Dh]."""
+                    workspace: torch.Tensor | None, *, sliding_window: int = 0,
+                    logit_softcap: float = 0.0) -> torch.Tensor:
+    """q [T, Hq, Dh] (K/V of the new tokens already written) -> [T, Hq, Dh]. sliding_window > 0:
+    a token at position p sees keys j with p - j < sliding_window (HF's window mask);
+    logit_softcap > 0: scaled scores become cap * tanh(score / cap) (Gemma-2); 0 = off."""
     if meta.query_start_loc is not None:
         return ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                            meta.query_start_loc, scale, meta.max_query_len,
-                                           workspace=workspace)
+                                           workspace=workspace, sliding_window=sliding_window,
+                                           logit_softcap=logit_softcap)
     return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                      scale, workspace=workspace)
+                                      scale, workspace=workspace, sliding_window=sliding_window,
+                                      logit_softcap=logit_softcap)
+
+
+# paged_attention's options that the CUDA kernels do not compute yet (their launchers refuse
+# them); the CPU kernels compute all. Models that need one are refused on CUDA up front
+# (models/registry.py: attention_window, and the softcap checks), never run without it.
+CUDA_LACKS = ("sliding_window", "logit_softcap")
+
+
+def computes(option: str, device: torch.device) -> bool:
+    """Whether paged_attention computes `option` ("sliding_window" or "logit_softcap") on `device`."""
+    return not (device.type == "cuda" and option in CUDA_LACKS)

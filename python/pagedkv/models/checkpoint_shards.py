@@ -24,6 +24,7 @@ import torch
 from pagedkv.models.registry import check_supported
 from pagedkv.models.llama import DecoderWeights
 from pagedkv.models.sharding import WHOLE, rank_slices, shard_decoder
+from pagedkv.models.windows import layer_windows
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -161,4 +162,4 @@ def read_shard(model, reader: TensorReader, rank: int, world_size: int, device: 
         return reader.read(name, rows, cols).to(device=device, dtype=dtype).contiguous()
 
     return shard_decoder(part, s, len(inner.layers), vocab, attn0.head_dim, float(config.rms_norm_eps),
-                         float(attn0.scaling))
+                         float(attn0.scaling), layer_windows(config))

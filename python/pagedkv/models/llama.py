@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
+from pagedkv.layers.attention import ForwardMetadata, attention_workspace, computes, paged_attention
+from pagedkv.layers.moe import MoEWeights, moe_mlp, moe_weights
+from pagedkv.models.windows import layer_windows
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,8 +36,9 @@ class LayerWeights:
     o: torch.Tensor  # [D, Hq * Dh]
     o_bias: torch.Tensor | None  # [D] (Llama's attention_bias=True)
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 * I, D]
-    down: torch.Tensor  # [D, I]
+    gate_up: torch.Tensor | None  # [2 * I, D]; a MoE layer's shared expert's, or None without one
+    down: torch.Tensor | None  # [D, I]
+    moe: MoEWeights | None = None  # a mixture-of-experts MLP (layers/moe.py; gate_up/down: its shared expert)
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,6 +55,7 @@ class DecoderWeights:
     head_dim: int
     eps: float
     scale: float
+    windows: list[int]  # [num_layers]: each layer's sliding window, 0 = whole context (models/windows.py)
 
 
 def _fuse_rows(linears: list[torch.nn.Linear], with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -82,13 +86,16 @@ def extract_weights(model) -> DecoderWeights:
     layers = []
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        moe = moe_weights(mlp, config.model_type)
+        # A MoE layer's dense weights are its shared expert's (Qwen2-MoE), if it has one.
+        dense = mlp._modules.get("shared_expert", mlp if moe is None else None)
         if "qkv_proj" in attn._modules:  # Phi-3 stores them fused already: [q; k; v], [gate; up]
             qkv = attn.qkv_proj.weight.detach()
             qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach()
             gate_up = mlp.gate_up_proj.weight.detach()
         else:
             qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], attn.q_proj.bias is not None)
-            gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj], False)
+            gate_up = None if dense is None else _fuse_rows([dense.gate_proj, dense.up_proj], False)[0]
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         layers.append(LayerWeights(
@@ -99,7 +106,7 @@ def extract_weights(model) -> DecoderWeights:
             o=attn.o_proj.weight.detach(),
             o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=gate_up, down=mlp.down_proj.weight.detach(),
+            gate_up=gate_up, down=None if dense is None else dense.down_proj.weight.detach(), moe=moe,
         ))
     attn0 = inner.layers[0].self_attn
     head_dim = attn0.head_dim
@@ -109,6 +116,7 @@ def extract_weights(model) -> DecoderWeights:
         vocab_size=int(model.lm_head.weight.shape[0]),
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
         head_dim=head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
+        windows=layer_windows(config),
     )
 
 
@@ -124,6 +132,10 @@ class PagedDecoder:
         # pagedkv.runtime.parallel.TensorParallel when `weights` are one rank's shard: the O and down
         # products are partial sums (all-reduced) and the logits one vocabulary slice (gathered).
         self.tp = tp
+        # The layers' windows where the kernels compute them; else 0 (whole contexts, which equal
+        # HF's windows only within them: registry.attention_window refuses longer sequences there).
+        windowed = computes("sliding_window", k_caches[0].device)
+        self.windows = [w if windowed else 0 for w in weights.windows]
 
     def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
         """residual += hidden (summed over the ranks first when hidden is a rank's partial O or
@@ -155,12 +167,15 @@ class PagedDecoder:
                                   k_norm_weight=layer.k_norm, epsilon=w.eps)
             if i == 0:
                 workspace = attention_workspace(q, self.k_caches[0], meta)
-            attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale,
-                                   workspace)  # [T, Hq, Dh]
+            attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale, workspace,
+                                   sliding_window=self.windows[i])  # [T, Hq, Dh]
             hidden = ops.linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias)
             self._add_norm(hidden, residual, layer.post_norm)
-            act = ops.gate_up_silu(hidden, layer.gate_up)  # [T, I]
-            hidden = ops.linear(act, layer.down)
+            if layer.moe is not None:
+                hidden = moe_mlp(hidden, layer.moe, layer.gate_up, layer.down)  # [T, D]
+            else:
+                act = ops.gate_up_silu(hidden, layer.gate_up)  # [T, I]
+                hidden = ops.linear(act, layer.down)
             after = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
             self._add_norm(hidden, residual, after)
         if logits_rows is not None:

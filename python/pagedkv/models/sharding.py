@@ -62,8 +62,8 @@ def rank_slices(rank: int, world_size: int, num_heads: int, num_kv_heads: int, h
 
 
 def shard_decoder(part: Part, s: RankSlices, num_layers: int, vocab_size: int, head_dim: int,
-                  eps: float, scale: float) -> DecoderWeights:
-    """One rank's weights, each tensor taken through `part`."""
+                  eps: float, scale: float, windows: list[int]) -> DecoderWeights:
+    """One rank's weights, each tensor taken through `part`; windows: each layer's (all ranks')."""
     def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
         return None if parts[0] is None else torch.cat(parts)
 
@@ -96,7 +96,8 @@ def shard_decoder(part: Part, s: RankSlices, num_layers: int, vocab_size: int, h
     return DecoderWeights(
         embed=part("model.embed_tokens.weight", WHOLE, None), layers=layers,
         final_norm=part("model.norm.weight", WHOLE, None), lm_head=lm_head, vocab_size=vocab_size,
-        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=head_dim, eps=eps, scale=scale)
+        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=head_dim, eps=eps, scale=scale,
+        windows=list(windows))
 
 
 def hf_tensors(w: DecoderWeights) -> dict[str, torch.Tensor]:
@@ -135,4 +136,4 @@ def shard_weights(w: DecoderWeights, rank: int, world_size: int, device: torch.d
         t = t[rows] if cols is None else t[rows, cols]
         return t.to(device).contiguous()
 
-    return shard_decoder(part, s, len(w.layers), w.vocab_size, w.head_dim, w.eps, w.scale)
+    return shard_decoder(part, s, len(w.layers), w.vocab_size, w.head_dim, w.eps, w.scale, w.windows)

@@ -41,9 +41,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from pagedkv.layers.moe import moe_weight_tensors
 from pagedkv.layers.rotary import build_cos_sin_cache
 from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read_shard
 from pagedkv.models.fallback import FallbackWeights, fallback_weights
+from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights, gemma_cos_sin
 from pagedkv.models.llama import DecoderWeights, extract_weights
 # PREPARED_ATTR: the attribute of the HF model that holds its PreparedModel (in the registry: its
 # support check lets a skeleton on meta run only with a shard).
@@ -127,8 +129,9 @@ def _changed_error(change: str, tp: bool, who: str) -> ModelChanged:
 @dataclasses.dataclass(eq=False)
 class PreparedModel:
     # FallbackWeights: a type pagedkv runs by the HF model's own modules (models/fallback.py).
-    weights: DecoderWeights | FallbackWeights
-    cos_sin: torch.Tensor | None  # [max_positions, rot_dim] fp32 from the model's rotary; None: fallback
+    weights: DecoderWeights | GemmaWeights | FallbackWeights
+    # [max_positions, rot_dim] fp32 from the model's rotary (Gemma: [tables, ...]); None: fallback
+    cos_sin: torch.Tensor | None
     device: torch.device  # where the forward runs (a shard's device may differ from the HF model's)
     dtype: torch.dtype
     max_positions: int
@@ -156,6 +159,8 @@ class PreparedModel:
             device = param.device if tp is None else tp.device
             if reader is not None:
                 weights = read_shard(model, reader, tp.rank, tp.world_size, tp.device, param.dtype)
+            elif model.config.model_type in GEMMA_MODEL_TYPES:  # never sharded (tensor_parallel refuses)
+                weights = extract_gemma_weights(model)
             else:
                 weights = extract_weights(model)
                 if tp is not None:
@@ -164,8 +169,11 @@ class PreparedModel:
             # A skeleton's rotary module is on meta too: a fresh one of its class (on the CPU, as HF
             # builds it; the class, since a config's model_type may not name its module: internlm3).
             rotary = model.model.rotary_emb
-            cos_sin = build_cos_sin_cache(model.config, max_positions, device,
-                                          rotary_emb=type(rotary)(model.config) if param.is_meta else rotary)
+            if isinstance(weights, GemmaWeights):
+                cos_sin = gemma_cos_sin(model, max_positions, device)
+            else:
+                cos_sin = build_cos_sin_cache(model.config, max_positions, device,
+                                              rotary_emb=type(rotary)(model.config) if param.is_meta else rotary)
         logger.info("took the weights of %s: %s on %s, %.1f MB%s", type(model).__name__,
                     str(param.dtype).removeprefix("torch."), device, weight_bytes(weights) / 1e6,
                     "" if tp is None else f" (rank {tp.rank} of {tp.world_size}'s shard)")
@@ -192,6 +200,7 @@ def weight_bytes(weights: DecoderWeights) -> int:
     tensors = [weights.embed, weights.final_norm, weights.lm_head]
     for layer in weights.layers:
         tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+        tensors += moe_weight_tensors(layer.moe) if getattr(layer, "moe", None) is not None else []
     unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
     return sum(t.numel() * t.element_size() for t in unique.values())
 
@@ -271,6 +280,14 @@ def tensor_parallel(model: M, group: dist.ProcessGroup | None = None,
     if model.config.model_type in registry.FALLBACK_MODEL_TYPES:  # read at call time (tests extend it)
         raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} runs by "
                                "its own HF modules (pagedkv's fallback path), which pagedkv does not shard; "
+                               f"tensor parallelism runs: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model.config.model_type in registry.MOE_MODEL_TYPES:
+        raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} has "
+                               "mixture-of-experts layers, which pagedkv does not shard yet; run it on one "
+                               "device with pagedkv.generate or pagedkv.LLM")
+    if model.config.model_type in GEMMA_MODEL_TYPES:
+        raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} (models/gemma.py) "
+                               "is not sharded yet; run it on one device with pagedkv.generate or pagedkv.LLM; "
                                f"tensor parallelism runs: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("pagedkv.tensor_parallel: torch.distributed is not initialised; call "

@@ -26,6 +26,7 @@ from torch.profiler import record_function
 from pagedkv.cache import KVCache, StepMetadata
 from pagedkv.layers.attention import ForwardMetadata
 from pagedkv.models.fallback import FallbackDecoder, FallbackWeights
+from pagedkv.models.gemma import GemmaDecoder, GemmaWeights
 from pagedkv.models.llama import PagedDecoder
 from pagedkv.runtime.graphs import CudaGraphs
 from pagedkv.runtime.model import PreparedModel
@@ -113,6 +114,8 @@ class ModelRunner:
         self.max_batch = max_batch
         if isinstance(model.weights, FallbackWeights):  # the HF model's own modules, eager only
             self.decoder = FallbackDecoder(model.weights, cache.k_caches, cache.v_caches)
+        elif isinstance(model.weights, GemmaWeights):  # models/gemma.py
+            self.decoder = GemmaDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches)
         else:
             self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
                                         tp=model.tp)

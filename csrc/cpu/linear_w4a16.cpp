@@ -1,0 +1,34 @@
+// CPU pagedkv::linear_w4a16 through ATen: the int4 weight dequantized to fp32 (exact: a small
+// integer times a 16-bit scale), one fp32 matrix product, rounded once to x's dtype, as the CUDA
+// kernel accumulates. dequantize_w4a16 also serves the CUDA launcher's cuBLAS path.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "linear_w4a16_checks.h"
+
+namespace pagedkv {
+
+// [n, k] float32 = (q - zeros) * scales from the checked packed/scales/zeros, on their device.
+at::Tensor dequantize_w4a16(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
+                            int64_t group_size) {
+  const int64_t n = packed.size(0);
+  const int64_t k = packed.size(1) * 8;
+  const at::Tensor shifts = at::arange(0, 32, 4, packed.options());                    // [8]
+  const at::Tensor q = packed.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and(0xF);  // [n, k/8, 8]
+  const at::Tensor q_groups = q.to(at::kFloat).view({n, k / group_size, group_size});
+  const at::Tensor w = (q_groups - zeros.to(at::kFloat).unsqueeze(-1)) * scales.to(at::kFloat).unsqueeze(-1);
+  return w.view({n, k});
+}
+
+void linear_w4a16_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const at::Tensor& zeros, int64_t group_size) {
+  check_linear_w4a16_args(out, x, packed, scales, zeros, group_size);
+  const int64_t k = x.size(-1);
+  const at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat);
+  const at::Tensor w = dequantize_w4a16(packed, scales, zeros, group_size);
+  out.view({x2.size(0), packed.size(0)}).copy_(at::mm(x2, w.t()));
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) { m.impl("linear_w4a16", &linear_w4a16_cpu); }
+
+}  // namespace pagedkv

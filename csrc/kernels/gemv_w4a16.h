@@ -1,0 +1,26 @@
+// Torch-free launcher of the int4-weight skinny matrix product of decode steps: out = x @ W^T
+// with W dequantized in registers from 4-bit values and per-group scales and zero points.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/dtype.h"
+
+namespace pagedkv::kernels {
+
+// Largest number of rows of x gemv_w4a16 takes; the launcher sends more rows (and fp32 x) to a
+// dequantized copy of the weight and cuBLAS.
+constexpr int kGemvW4A16MaxRows = 8;
+
+// out: [m, n] contiguous (x's dtype); x: [m, k] (row stride x_stride elements), 16-bit;
+// packed: [n, k / 8] int32, value of column 8w + e in bits 4e..4e+3 of word w;
+// scales: [n, k / group_size] (scale_dtype, 16-bit); zeros: [n, k / group_size] uint8;
+// W[j, c] = (q[j, c] - zeros[j, c / group_size]) * scales[j, c / group_size].
+// group_size % 32 == 0, k % group_size == 0, x_stride % 8 == 0, x and packed 16-byte aligned
+// (the launcher checks).
+cudaError_t gemv_w4a16(void* out, const void* x, int64_t x_stride, const int32_t* packed,
+                       const void* scales, const uint8_t* zeros, int m, int n, int k, int group_size,
+                       DType dtype, DType scale_dtype, cudaStream_t stream);
+
+}  // namespace pagedkv::kernels

@@ -1,0 +1,28 @@
+// Torch-free launchers of the mixture-of-experts decode kernels: each (token, chosen expert) pair
+// reads only its expert's rows, so a decode step reads the top-k experts, not all of them. Expert
+// ids are read on the device (no host sync: the step stays capturable in a CUDA graph).
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/dtype.h"
+
+namespace pagedkv::kernels {
+
+// out [T, k, I] = silu(x[t] . gate_up[e, :I]^T) * (x[t] . gate_up[e, I:]^T), e = expert_ids[t, j],
+// each product rounded to the dtype (HF's rounding). x [T, D], gate_up [E, 2I, D], expert_ids
+// [T, k] int64; all contiguous. An id outside [0, E) gives zeros.
+cudaError_t moe_gate_up_silu(void* out, const void* x, const void* gate_up, const int64_t* expert_ids,
+                             int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
+                             int64_t intermediate, DType dtype, cudaStream_t stream);
+
+// out [T, D] = sum_j round_w(round(down[e_j] . act[t, j]) * weights[t, j]) in fp32, rounded to the
+// dtype; round_w rounds to the weights' dtype (fp32 when weights_fp32, else the model's). act
+// [T, k, I], down [E, D, I], expert_ids, weights [T, k]; all contiguous.
+cudaError_t moe_down_sum(void* out, const void* act, const void* down, const int64_t* expert_ids,
+                         const void* weights, bool weights_fp32, int64_t num_tokens, int64_t top_k,
+                         int64_t num_experts, int64_t hidden, int64_t intermediate, DType dtype,
+                         cudaStream_t stream);
+
+}  // namespace pagedkv::kernels

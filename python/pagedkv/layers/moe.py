@@ -1,0 +1,145 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) on pagedkv ops, with HF's routing and
+rounding, and the two expert ops' typed wrappers.
+
+    router logits = x @ router^T -> softmax in fp32 -> top-k -> renormalise (Mixtral always,
+    Qwen: norm_topk_prob) -> cast to the model dtype (Qwen; Mixtral keeps fp32)
+    -> per chosen expert: silu(x @ gate^T) * (x @ up^T) -> @ down^T -> times its weight -> sum
+    (+ Qwen2-MoE's shared expert times sigmoid(x @ shared_gate^T))
+
+Few tokens (decode steps, and any step inside CUDA-graph capture) run the expert kernels, which
+read only the chosen experts' rows and read the expert ids on the device; many tokens (prefill)
+group the tokens by expert on the host and run each hit expert once as a GEMM, as HF's
+grouped_mm experts forward (transformers' default `experts_implementation`) does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedkv import ops
+
+_ops = torch.ops.pagedkv
+# Above this many (token, expert) pairs outside graph capture, group by expert (one GEMM per hit
+# expert reads its weights once) instead of one GEMV per pair.
+GROUPED_MIN_PAIRS = 256
+# Types whose router keeps the top-k weights in fp32 (HF's Mixtral never casts them back), so
+# each weighted expert output is fp32 before the sum.
+FP32_ROUTING_WEIGHTS = ("mixtral",)
+
+
+@dataclasses.dataclass(slots=True)
+class MoEWeights:
+    """One MoE layer's weights, HF's own tensors as stored (no copy)."""
+
+    router: torch.Tensor  # [E, D]
+    gate_up: torch.Tensor  # [E, 2 * I, D]: each expert's gate rows, then its up rows
+    down: torch.Tensor  # [E, D, I]
+    top_k: int
+    normalize: bool  # renormalise the top-k probabilities to sum to 1
+    fp32_weights: bool  # the top-k weights stay fp32 (Mixtral), else the model dtype
+    shared_gate: torch.Tensor | None  # [1, D]: Qwen2-MoE's sigmoid gate of its shared expert
+
+
+def moe_weights(mlp: torch.nn.Module, model_type: str) -> MoEWeights | None:
+    """The MoE weights of an HF decoder layer's `mlp` (transformers 5's 3D expert parameters),
+    or None for a dense MLP. A shared expert's own gate_up/down are the layer's dense MLP weights
+    (models/llama.py takes them)."""
+    experts = mlp._modules.get("experts")
+    if experts is None:
+        return None
+    router = mlp._modules["gate"]
+    shared_gate = mlp._modules.get("shared_expert_gate")
+    return MoEWeights(
+        router=router.weight.detach(), gate_up=experts.gate_up_proj.detach(), down=experts.down_proj.detach(),
+        top_k=int(router.top_k), normalize=bool(getattr(router, "norm_topk_prob", True)),
+        fp32_weights=model_type in FP32_ROUTING_WEIGHTS,
+        shared_gate=None if shared_gate is None else shared_gate.weight.detach())
+
+
+def moe_weight_tensors(w: MoEWeights) -> list[torch.Tensor]:
+    """The tensors of `w` (for counting weight bytes)."""
+    return [t for t in (w.router, w.gate_up, w.down, w.shared_gate) if t is not None]
+
+
+def route(x: torch.Tensor, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (expert ids [T, k] int64, weights [T, k] fp32 or x's dtype), HF's order of
+    operations. Device ops only (capturable)."""
+    logits = ops.linear(x, w.router)  # [T, E], the model dtype
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, w.top_k, dim=-1)
+    if w.normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return ids, top if w.fp32_weights else top.to(x.dtype)
+
+
+def moe_mlp(x: torch.Tensor, w: MoEWeights, shared_gate_up: torch.Tensor | None = None,
+            shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE MLP of x [T, D] -> [T, D], x's dtype. shared_gate_up [2 * Is, D] and shared_down
+    [D, Is]: a shared expert (Qwen2-MoE), gated by w.shared_gate."""
+    ids, weights = route(x, w)
+    pairs = ids.numel()
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if pairs < GROUPED_MIN_PAIRS or capturing:
+        out = moe_down_sum(moe_gate_up_silu(x, w.gate_up, ids), w.down, ids, weights)
+    else:
+        out = _grouped_experts(x, w, ids, weights)
+    if shared_gate_up is not None:
+        shared = ops.linear(ops.gate_up_silu(x, shared_gate_up), shared_down)
+        out = out + torch.sigmoid(ops.linear(x, w.shared_gate)) * shared
+    return out
+
+
+def _grouped_experts(x: torch.Tensor, w: MoEWeights, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """HF's grouped_mm experts forward: pairs sorted by expert, each hit expert's rows as one GEMM
+    (the counts read back to the host: not capturable), the weighted outputs summed per token."""
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [T * k] pairs by expert
+    counts = torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()
+    tokens = order // top_k
+    y_sorted = x.new_empty(order.numel(), x.shape[1])  # [T * k, D]
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            act = ops.gate_up_silu(x[tokens[rows]], w.gate_up[e])  # [count, I]
+            ops.linear(act, w.down[e], out=y_sorted[rows])
+            start += count
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    weighted = y.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)  # fp32 (Mixtral) or the dtype
+    return weighted.sum(dim=1).to(x.dtype)
+
+
+def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t, j] = silu(x[t] @ gate^T) * (x[t] @ up^T) of expert e = expert_ids[t, j], each product
+    rounded to the dtype (HF's). x [T, D]; gate_up [E, 2 * I, D] (HF's experts.gate_up_proj);
+    expert_ids [T, k] int64; out [T, k, I]. Reads only the chosen experts' rows."""
+    if out is None:
+        out = x.new_empty((x.shape[0], expert_ids.shape[1], gate_up.shape[1] // 2))
+    _ops.moe_gate_up_silu(out, x, gate_up, expert_ids)
+    return out
+
+
+def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_j (act[t, j] @ down[e]^T) * weights[t, j], e = expert_ids[t, j]: each expert's
+    output rounded to the dtype, weighted in weights' dtype (float32 or act's), summed in fp32,
+    rounded (HF's grouped experts forward). act [T, k, I]; down [E, D, I]; out [T, D]."""
+    if out is None:
+        out = act.new_empty((act.shape[0], down.shape[1]))
+    _ops.moe_down_sum(out, act, down, expert_ids, weights)
+    return out
+
+
+@torch.library.register_fake("pagedkv::moe_gate_up_silu")
+def _moe_gate_up_silu_fake(out, x, gate_up, expert_ids) -> None:
+    torch._check(out.shape == (x.shape[0], expert_ids.shape[1], gate_up.shape[1] // 2))
+
+
+@torch.library.register_fake("pagedkv::moe_down_sum")
+def _moe_down_sum_fake(out, act, down, expert_ids, weights) -> None:
+    torch._check(out.shape == (act.shape[0], down.shape[1]))

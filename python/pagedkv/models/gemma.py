@@ -1,0 +1,297 @@
+"""Gemma, Gemma-2 and Gemma-3 (text) on pagedkv ops, HF's weights and HF's rounding.
+
+What differs from models/llama.py, each as HF's modeling_gemma*.py computes it:
+- every RMSNorm scales by (1 + weight) in fp32 and rounds once (ops.rms_norm gemma_style);
+- the embedding is scaled by sqrt(hidden), the scale rounded to the dtype first;
+- the MLP is GELU (tanh approximation) gated: gelu_tanh(gate) * up;
+- Gemma-2/3 "sandwich" layers: the attention and MLP outputs are normalized before they are added
+  to the residual, and the MLP input has its own norm:
+
+      h = norm_in(x) -> attention -> norm_post_attn;  x += h
+      h = norm_pre_ff(x) -> MLP -> norm_post_ff;       x += h
+
+- Gemma-2: attention logits softcapped (cap * tanh(s / cap)), scale query_pre_attn_scalar**-0.5,
+  final logits softcapped; sliding-window layers alternate with global ones (config.layer_types);
+- Gemma-3: per-head q/k norms (Gemma-style) before the rotation, sliding and full layers with their
+  own rotary tables (rope_parameters per layer type); no attention softcap (HF passes none).
+
+Sliding windows and attention softcaps need the attention kernels of the model's device to
+compute them (layers/attention.py's `computes`): where they do not, a window layer runs as a full
+one (the same while sequences stay within the window, which registry.attention_window then
+enforces) and a softcapped model is refused (`gemma_reason`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv import ops
+from pagedkv.layers.attention import ForwardMetadata, attention_workspace, computes, paged_attention
+from pagedkv.layers.rotary import build_cos_sin_cache
+from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
+from pagedkv.models.llama import _fuse_rows
+
+GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
+ACTIVATION = "gelu_pytorch_tanh"  # HF's name of torch's gelu(approximate="tanh"); ops: "gelu_tanh"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(slots=True)
+class GemmaLayerWeights:
+    input_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(Hq + 2 * Hkv) * Dh, D]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 * Hkv) * Dh] (attention_bias=True)
+    q_norm: torch.Tensor | None  # [Dh] (Gemma-3)
+    k_norm: torch.Tensor | None  # [Dh] (Gemma-3)
+    o: torch.Tensor  # [D, Hq * Dh]
+    o_bias: torch.Tensor | None  # [D]
+    post_attn_norm: torch.Tensor  # [D]: Gemma's MLP input norm; Gemma-2/3's attention output norm
+    pre_ff_norm: torch.Tensor | None  # [D] (Gemma-2/3: the MLP input norm)
+    post_ff_norm: torch.Tensor | None  # [D] (Gemma-2/3: the MLP output norm)
+    gate_up: torch.Tensor  # [2 * I, D]
+    down: torch.Tensor  # [D, I]
+    window: int  # tokens a query attends back to, itself included (0: the whole context)
+    rope: int  # which rotary table of the cos_sin stack (Gemma-3: one per layer type)
+
+
+@dataclasses.dataclass(slots=True)
+class GemmaWeights:
+    """DecoderWeights' interface (models/llama.py) for the Gemma family."""
+
+    embed: torch.Tensor  # [V, D]
+    embed_scale: torch.Tensor  # [] in the model's dtype: sqrt(D) rounded, as HF multiplies it
+    layers: list[GemmaLayerWeights]
+    final_norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    attn_softcap: float  # 0: none
+    final_softcap: float  # 0: none
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _activation(config) -> str | None:
+    # Gemma reads hidden_act (its config maps the legacy "gelu" to the tanh one); Gemma-2/3 read
+    # hidden_activation.
+    if config.model_type == "gemma":
+        return getattr(config, "hidden_act", None)
+    return getattr(config, "hidden_activation", None)
+
+
+def _layer_types(config) -> list[str]:
+    if config.model_type == "gemma":
+        return ["full_attention"] * config.num_hidden_layers
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+
+
+def _rope_kinds(config) -> list[str]:
+    """The rotary tables: Gemma-3 has one per layer type (its rotary takes the layer type)."""
+    return sorted(set(_layer_types(config))) if config.model_type == "gemma3_text" else ["full_attention"]
+
+
+def _attention_softcap(config) -> float:
+    # Gemma-3's attention passes no softcap to HF's attention function, whatever the config says.
+    if config.model_type != "gemma2":
+        return 0.0
+    return float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+
+
+def gemma_reason(model, head_dims: tuple[int, ...]) -> str | None:
+    """None if models/gemma.py runs `model` exactly, else what it does not run, as a sentence
+    (dtype and placement are the registry's)."""
+    config = model.config
+    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
+    act = _activation(config)
+    if act != ACTIVATION:
+        return f"activation {act!r} is not supported for {config.model_type}; supported: {ACTIVATION!r}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested = [v for v in rope.values() if isinstance(v, dict)]  # per layer type (Gemma-3)
+    for params in [rope, *nested]:
+        kind = params.get("rope_type", params.get("type"))
+        if kind in LENGTH_DEPENDENT_ROPE:
+            return f"rope type {kind!r} is not supported (its frequencies depend on the sequence length)"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in head_dims:
+        return f"head_dim {head_dim} is not supported; supported: {', '.join(map(str, head_dims))}"
+    unknown = set(_layer_types(config)) - set(LAYER_TYPES)
+    if unknown:
+        return f"layer_types {sorted(unknown)} are not supported; supported: {', '.join(LAYER_TYPES)}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention=True is not supported (pagedkv's attention is causal)"
+    device = _device(model)
+    if _attention_softcap(config) and not computes("logit_softcap", device):
+        return (f"attn_logit_softcapping={config.attn_logit_softcapping} is not supported on {device.type} "
+                "yet (its attention kernels do not softcap); supported there: None")
+    return _module_reason(model)
+
+
+def _module_reason(model) -> str | None:
+    """pagedkv runs its own forward from the weights: a module of another type on the decoder's
+    path (an adapter wrapper, a quantized Linear) would be left out, so it is refused."""
+    config, inner = model.config, model.model
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if config.model_type != "gemma":
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    attn_subs = ["q_norm", "k_norm"] if config.model_type == "gemma3_text" else []
+    path = [("model.embed_tokens", inner._modules.get("embed_tokens"), nn.Embedding),
+            ("lm_head", model._modules.get("lm_head"), nn.Linear), ("model.norm", inner._modules.get("norm"), None)]
+    for i, layer in enumerate(inner._modules["layers"]):
+        at, subs = f"model.layers.{i}", layer._modules
+        attn, mlp = subs.get("self_attn"), subs.get("mlp")
+        path += [(at, layer, None), (f"{at}.self_attn", attn, None), (f"{at}.mlp", mlp, None)]
+        path += [(f"{at}.{n}", subs.get(n), None) for n in norms]
+        attn_mods = {} if attn is None else attn._modules
+        mlp_mods = {} if mlp is None else mlp._modules
+        path += [(f"{at}.self_attn.{n}", attn_mods.get(n), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        path += [(f"{at}.self_attn.{n}", attn_mods.get(n), None) for n in attn_subs]
+        path += [(f"{at}.mlp.{n}", mlp_mods.get(n), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")]
+    for name, module, cls in path:
+        kind = type(module)
+        if module is None:
+            return f"{name} is missing: pagedkv runs {config.model_type} from its modules' weights"
+        if cls is nn.Linear and kind is not nn.Linear:
+            return (f"{name} is a {kind.__name__}, not a torch.nn.Linear: pagedkv runs its own forward "
+                    "from the weights and would leave out what the module adds (merge adapters into "
+                    "the weights first, e.g. PEFT's merge_and_unload())")
+        if cls is not nn.Linear and not kind.__module__.startswith("transformers."):
+            return (f"{name} is a {kind.__name__} from {kind.__module__}, not the model's own "
+                    "transformers module: pagedkv runs its own forward and would leave it out")
+    return None
+
+
+def extract_gemma_weights(model) -> GemmaWeights:
+    """Take (and fuse, in place: see models/llama.py's extract_weights) the weights of an HF
+    Gemma/Gemma-2/Gemma-3 *ForCausalLM. Call outside inference mode."""
+    config, inner = model.config, model.model
+    layer_types, kinds = _layer_types(config), _rope_kinds(config)
+    windows = computes("sliding_window", _device(model))  # else layers run whole (see the top)
+    layers = []
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], attn.q_proj.bias is not None)
+        gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj], False)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        pre_ff, post_ff = getattr(layer, "pre_feedforward_layernorm", None), getattr(layer, "post_feedforward_layernorm", None)
+        sliding = layer_types[i] == "sliding_attention"
+        layers.append(GemmaLayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=qkv_bias,
+            q_norm=None if q_norm is None else q_norm.weight.detach(),
+            k_norm=None if k_norm is None else k_norm.weight.detach(),
+            o=attn.o_proj.weight.detach(), o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+            post_attn_norm=layer.post_attention_layernorm.weight.detach(),
+            pre_ff_norm=None if pre_ff is None else pre_ff.weight.detach(),
+            post_ff_norm=None if post_ff is None else post_ff.weight.detach(),
+            gate_up=gate_up, down=mlp.down_proj.weight.detach(),
+            window=int(config.sliding_window) if sliding and windows and config.sliding_window else 0,
+            rope=kinds.index(layer_types[i]) if len(kinds) > 1 else 0,
+        ))
+    embed = inner.embed_tokens.weight.detach()
+    scale = getattr(inner.embed_tokens, "embed_scale", None)  # fp32 [] buffer in transformers 5
+    scale = torch.tensor(config.hidden_size ** 0.5) if scale is None else scale.detach()
+    attn0 = inner.layers[0].self_attn
+    return GemmaWeights(
+        embed=embed, embed_scale=scale.to(device=embed.device, dtype=embed.dtype), layers=layers,
+        final_norm=inner.norm.weight.detach(), lm_head=model.lm_head.weight.detach(),
+        vocab_size=int(model.lm_head.weight.shape[0]), num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads, head_dim=attn0.head_dim, eps=float(config.rms_norm_eps),
+        scale=float(attn0.scaling), attn_softcap=_attention_softcap(config),
+        final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
+    )
+
+
+@torch.no_grad()
+def gemma_cos_sin(model, max_positions: int, device: torch.device) -> torch.Tensor:
+    """[R, max_positions, rot_dim] fp32: the rotary tables GemmaLayerWeights.rope indexes, from
+    the model's own rotary module (Gemma-3's takes the layer type: one table per type)."""
+    config, rotary = model.config, model.model.rotary_emb
+    if config.model_type != "gemma3_text":
+        return build_cos_sin_cache(config, max_positions, device, rotary_emb=rotary)[None]
+    on = next(rotary.buffers()).device
+    positions = torch.arange(max_positions, device=on)[None]  # int64, as HF's position_ids
+    tables = []
+    for kind in _rope_kinds(config):
+        cos, sin = rotary(torch.empty(1, dtype=torch.float32, device=on), positions, kind)
+        half = cos.shape[-1] // 2
+        tables.append(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(device))
+    return torch.stack(tables).contiguous()
+
+
+class GemmaDecoder:
+    """The forward of one Gemma-family model over the paged cache (PagedDecoder's interface)."""
+
+    def __init__(self, weights: GemmaWeights, cos_sin: torch.Tensor,
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        self.w = weights
+        self.cos_sin = cos_sin  # [R, max_position, Dh] fp32 (gemma_cos_sin)
+        self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
+        self.v_caches = v_caches
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, weight, self.w.eps, gemma_style=True)
+
+    def _attention(self, i: int, layer: GemmaLayerWeights, hidden: torch.Tensor, meta: ForwardMetadata,
+                   workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [T, D] (normed) -> (O projection [T, D], the step's attention workspace)."""
+        w = self.w
+        num_tokens = hidden.shape[0]
+        q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
+        qkv = ops.linear(hidden, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
+        q = qkv[:, :q_size].view(num_tokens, w.num_heads, w.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, w.num_kv_heads, w.head_dim)
+        v = qkv[:, q_size + kv_size:].view(num_tokens, w.num_kv_heads, w.head_dim)
+        if layer.q_norm is not None:  # Gemma-3: (1 + weight) per head, before the rotation
+            q = self._norm(q.contiguous(), layer.q_norm)
+            k = self._norm(k.contiguous(), layer.k_norm)
+        ops.rope_and_write_kv(q, k, v, meta.positions, self.cos_sin[layer.rope], self.k_caches[i],
+                              self.v_caches[i], meta.slot_mapping)
+        if workspace is None:
+            workspace = attention_workspace(q, self.k_caches[0], meta)
+        extra = {}
+        if layer.window:
+            extra["sliding_window"] = layer.window
+        if w.attn_softcap:
+            extra["logit_softcap"] = w.attn_softcap
+        attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale, workspace,
+                               **extra)  # [T, Hq, Dh]
+        return ops.linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias), workspace
+
+    def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [R, V] for the rows `logits_rows` [R] of the T tokens (all
+        when None), in the model's dtype."""
+        w = self.w
+        eps = w.eps
+        workspace = None
+        residual = F.embedding(input_ids, w.embed) * w.embed_scale  # [T, D]
+        hidden = self._norm(residual, w.layers[0].input_norm)
+        for i, layer in enumerate(w.layers):
+            hidden, workspace = self._attention(i, layer, hidden, meta, workspace)
+            if layer.pre_ff_norm is None:  # Gemma: Llama's layout, the norm after the add
+                ops.fused_add_rms_norm(hidden, residual, layer.post_attn_norm, eps, gemma_style=True)
+            else:  # Gemma-2/3: norm the attention output, add, norm the MLP input
+                hidden = self._norm(hidden, layer.post_attn_norm)
+                ops.fused_add_rms_norm(hidden, residual, layer.pre_ff_norm, eps, gemma_style=True)
+            act = ops.gate_up_silu(hidden, layer.gate_up, activation="gelu_tanh")  # [T, I]
+            hidden = ops.linear(act, layer.down)
+            if layer.post_ff_norm is not None:
+                hidden = self._norm(hidden, layer.post_ff_norm)
+            after = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
+            ops.fused_add_rms_norm(hidden, residual, after, eps, gemma_style=True)
+        if logits_rows is not None:
+            hidden = hidden[logits_rows]
+        logits = ops.linear(hidden, w.lm_head)  # [R, V]
+        if w.final_softcap:  # HF's order and rounding: / cap, tanh, * cap in the dtype
+            logits = logits.div_(w.final_softcap).tanh_().mul_(w.final_softcap)
+        return logits

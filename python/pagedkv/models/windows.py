@@ -1,0 +1,29 @@
+"""Which layers of a Llama-family model (models/llama.py) attend through a sliding window, and
+how wide, as each type's HF modeling code decides it (its masks: HF's eager and SDPA attention
+follow the mask, not the module's `sliding_window` attribute, which only flash-attention reads).
+
+- one mask for every layer, a window when config.sliding_window is set: Mistral, Mixtral, Phi-3,
+  Qwen3-MoE (Mistral's config warns about layer_types and its model ignores them);
+- per layer, by config.layer_types ("sliding_attention" layers get config.sliding_window): Qwen2,
+  Qwen3, Qwen2-MoE (their configs derive layer_types from use_sliding_window and
+  max_window_layers, and leave sliding_window None/0 without use_sliding_window), Ministral, CWM;
+- no window: the rest (Llama's modeling has none).
+"""
+
+from __future__ import annotations
+
+WHOLE_MODEL_WINDOW = ("mistral", "mixtral", "phi3", "qwen3_moe")
+PER_LAYER_WINDOW = ("qwen2", "qwen3", "qwen2_moe", "ministral", "cwm")
+
+
+def layer_windows(config) -> list[int]:
+    """[num_layers]: each layer's window (a query at position p sees keys j with p - j < window,
+    HF's sliding mask), 0 for a layer that attends to the whole context."""
+    num_layers = config.num_hidden_layers
+    window = int(getattr(config, "sliding_window", None) or 0)
+    if config.model_type in WHOLE_MODEL_WINDOW:
+        return [window] * num_layers
+    if config.model_type in PER_LAYER_WINDOW:
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+        return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+    return [0] * num_layers
