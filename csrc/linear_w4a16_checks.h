@@ -3,7 +3,7 @@
 #pragma once
 #include <vector>
 
-#include "checks.h"
+#include "quant_linear_checks.h"
 
 namespace pagedkv {
 
@@ -14,11 +14,7 @@ namespace pagedkv {
 // piece of a row (32 columns) never straddles two groups.
 inline void check_linear_w4a16_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                                     const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size) {
-  check_float_dtype(x, "x");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.stride(-1) == 1, "pagedkv: x must be [..., k] "
-              "with k > 0 and its last dimension contiguous, got shape ", x.sizes(), " strides ",
-              x.strides());
-  const int64_t k = x.size(-1);
+  const int64_t k = check_quant_linear_x(x);
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && k % group_size == 0, "pagedkv: group_size ",
               group_size, " must be a positive multiple of 32 that divides k = x.size(-1) = ", k);
   TORCH_CHECK(packed.scalar_type() == at::kInt, "pagedkv: packed has dtype ", packed.scalar_type(),
@@ -31,23 +27,11 @@ inline void check_linear_w4a16_args(const at::Tensor& out, const at::Tensor& x, 
   const std::vector<int64_t> group_shape = {n, k / group_size};
   TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kBFloat16,
               "pagedkv: scales has dtype ", scales.scalar_type(), "; allowed: torch.float16, torch.bfloat16");
-  check_same_device(scales, x, "scales", "x");
-  TORCH_CHECK(scales.sizes() == at::IntArrayRef(group_shape), "pagedkv: scales must be [n, k / group_size] = ",
-              at::IntArrayRef(group_shape), ", got ", scales.sizes());
-  check_contiguous(scales, "scales");
+  check_quant_linear_param(scales, "scales", x, "[n, k / group_size]", group_shape);
   TORCH_CHECK(zeros.scalar_type() == at::kByte, "pagedkv: zeros has dtype ", zeros.scalar_type(),
               "; it must be torch.uint8");
-  check_same_device(zeros, x, "zeros", "x");
-  TORCH_CHECK(zeros.sizes() == at::IntArrayRef(group_shape), "pagedkv: zeros must be [n, k / group_size] = ",
-              at::IntArrayRef(group_shape), ", got ", zeros.sizes());
-  check_contiguous(zeros, "zeros");
-  check_same_dtype(out, x, "out", "x");
-  check_same_device(out, x, "out", "x");
-  std::vector<int64_t> expected(x.sizes().begin(), x.sizes().end());
-  expected.back() = n;
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(expected), "pagedkv: out must have shape ",
-              at::IntArrayRef(expected), ", got ", out.sizes());
-  check_contiguous(out, "out");
+  check_quant_linear_param(zeros, "zeros", x, "[n, k / group_size]", group_shape);
+  check_linear_out(out, x, n);
 }
 
 }  // namespace pagedkv

@@ -84,4 +84,12 @@ TORCH_LIBRARY(pagedkv, m) {
   // (q - zeros) * scales per group of group_size input columns, q packed 8 a word in packed.
   m.def("linear_w4a16(Tensor! out, Tensor x, Tensor packed, Tensor scales, Tensor zeros, "
         "int group_size) -> ()");
+  // FP8 weight linear (csrc/linear_fp8_checks.h): out = x @ W^T, W [n, k] = e4m3 weight times
+  // its fp32 scale of a block_n x block_k grid (128x128, per channel or per tensor).
+  m.def("linear_fp8_weight(Tensor! out, Tensor x, Tensor weight, Tensor scales, int block_n, "
+        "int block_k) -> ()");
+  // NF4 weight linear (csrc/linear_nf4_checks.h): out = x @ W^T, W [n, k] = code[q] * absmax
+  // per block of block_size input columns, q packed two a byte (bitsandbytes' nibble order).
+  m.def("linear_nf4(Tensor! out, Tensor x, Tensor packed, Tensor absmax, Tensor code, "
+        "int block_size) -> ()");
 }

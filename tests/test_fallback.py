@@ -28,9 +28,9 @@ GQA = dict(num_key_value_heads=1)  # for the configs that have the field (others
 CASES = {
     "apertus": GQA, "arcee": GQA, "codegen": dict(rotary_dim=32), "cohere": GQA, "ernie4_5": GQA,
     "exaone4": GQA, "glm": GQA, "gpt_bigcode": {},
-    "gpt_neox": {}, "gptj": dict(rotary_dim=32), "granite": GQA, "granitemoe": GQA, "helium": dict(GQA, head_dim=64),
+    "gpt_neox": {}, "gptj": dict(rotary_dim=32), "granitemoe": GQA, "helium": dict(GQA, head_dim=64),
     "hunyuan_v1_dense": dict(GQA, head_dim=64), "jais2": GQA,
-    "nemotron": dict(GQA, head_dim=64), "olmo": GQA, "olmo2": GQA, "olmo3": dict(GQA, sliding_window=512),
+    "nemotron": dict(GQA, head_dim=64), "olmo": GQA, "olmo3": dict(GQA, sliding_window=512),
     "opt": {}, "persimmon": {}, "phi": {}, "smollm3": GQA, "stablelm": GQA,
     "starcoder2": GQA,
 }
@@ -137,13 +137,13 @@ def test_every_causal_lm_type_is_native_fallback_or_refused(model_type):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
                 model_type, num_hidden_layers=1, **DEFAULTS_MISSING.get(model_type, {})))
     except Exception as e:  # a default config that cannot build: must not be a type pagedkv runs
-        assert model_type not in registry.FALLBACK_MODEL_TYPES + registry.SUPPORTED_MODEL_TYPES + registry.GEMMA_MODEL_TYPES, e
+        assert model_type not in registry.FALLBACK_MODEL_TYPES + registry.NATIVE_MODEL_TYPES, e
         return
     path = model.config.model_type  # may differ from the mapping's key
     reason = pagedkv.unsupported_reason(model)
     assert reason, path
     assert pagedkv.support_path(model) is None
-    if path in registry.FALLBACK_MODEL_TYPES + registry.SUPPORTED_MODEL_TYPES + registry.GEMMA_MODEL_TYPES:
+    if path in registry.FALLBACK_MODEL_TYPES + registry.NATIVE_MODEL_TYPES:
         assert any(w in reason for w in ("meta device", "softcapping", "head_dim", "attention interface")), reason
     else:
         assert f"model_type {path!r} is not supported" in reason, reason

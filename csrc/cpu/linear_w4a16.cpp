@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "cpu/linear_dequant.h"
 #include "linear_w4a16_checks.h"
 
 namespace pagedkv {
@@ -23,10 +24,7 @@ at::Tensor dequantize_w4a16(const at::Tensor& packed, const at::Tensor& scales, 
 void linear_w4a16_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const at::Tensor& zeros, int64_t group_size) {
   check_linear_w4a16_args(out, x, packed, scales, zeros, group_size);
-  const int64_t k = x.size(-1);
-  const at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat);
-  const at::Tensor w = dequantize_w4a16(packed, scales, zeros, group_size);
-  out.view({x2.size(0), packed.size(0)}).copy_(at::mm(x2, w.t()));
+  linear_dequantized_cpu(out, x, dequantize_w4a16(packed, scales, zeros, group_size));
 }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) { m.impl("linear_w4a16", &linear_w4a16_cpu); }

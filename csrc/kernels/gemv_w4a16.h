@@ -6,14 +6,12 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/dtype.h"
+#include "kernels/gemv_dequant.h"
 
 namespace pagedkv::kernels {
 
-// Largest number of rows of x gemv_w4a16 takes; the launcher sends more rows (and fp32 x) to a
-// dequantized copy of the weight and cuBLAS.
-constexpr int kGemvW4A16MaxRows = 8;
-
-// out: [m, n] contiguous (x's dtype); x: [m, k] (row stride x_stride elements), 16-bit;
+// out: [m, n] contiguous (x's dtype); x: [m, k] 16-bit, row stride x_stride elements;
+// m <= kGemvDequantMaxRows;
 // packed: [n, k / 8] int32, value of column 8w + e in bits 4e..4e+3 of word w;
 // scales: [n, k / group_size] (scale_dtype, 16-bit); zeros: [n, k / group_size] uint8;
 // W[j, c] = (q[j, c] - zeros[j, c / group_size]) * scales[j, c / group_size].

@@ -10,7 +10,7 @@ from pagedkv._ext import _C
 from pagedkv import ops
 from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, StepMetadata
 from pagedkv.models import UnsupportedModel, support_path, supports, unsupported_reason
-from pagedkv.runtime import ModelChanged, tensor_parallel, tensor_parallel_from_pretrained
+from pagedkv.runtime import ModelChanged, from_pretrained_quantized, tensor_parallel, tensor_parallel_from_pretrained
 from pagedkv.hf import UnsupportedGenerationArgument, generate, kv_cache_of, patch, unpatch
 from pagedkv.engine import LLM, CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SamplingParams
 
@@ -22,7 +22,7 @@ build_info: str = _C.build_info
 with_cuda: bool = _C.with_cuda
 """True when the CUDA kernels were compiled in."""
 
-__all__ = ["generate", "patch", "unpatch", "kv_cache_of", "tensor_parallel", "tensor_parallel_from_pretrained", "LLM", "SamplingParams", "RequestOutput",
+__all__ = ["generate", "patch", "unpatch", "kv_cache_of", "tensor_parallel", "tensor_parallel_from_pretrained", "from_pretrained_quantized", "LLM", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestMetrics", "EngineStats", "supports", "support_path", "unsupported_reason", "UnsupportedModel", "ModelChanged",
            "UnsupportedGenerationArgument", "ops", "KVCache", "KVCacheSpec", "CacheFull",
            "StepMetadata", "build_info", "with_cuda", "__version__"]

@@ -27,13 +27,13 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, computes, paged_attention
 from pagedkv.layers.rotary import build_cos_sin_cache
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
+from pagedkv.models.module_path import layer_path, path_reason
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 ACTIVATION = "gelu_pytorch_tanh"  # HF's name of torch's gelu(approximate="tanh"); ops: "gelu_tanh"
@@ -138,37 +138,14 @@ def gemma_reason(model, head_dims: tuple[int, ...]) -> str | None:
 
 
 def _module_reason(model) -> str | None:
-    """pagedkv runs its own forward from the weights: a module of another type on the decoder's
-    path (an adapter wrapper, a quantized Linear) would be left out, so it is refused."""
-    config, inner = model.config, model.model
-    norms = ["input_layernorm", "post_attention_layernorm"]
+    """A module of another type on the decoder's path is refused (models/module_path.py)."""
+    config = model.config
+    norms = ("input_layernorm", "post_attention_layernorm")
     if config.model_type != "gemma":
-        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    attn_subs = ["q_norm", "k_norm"] if config.model_type == "gemma3_text" else []
-    path = [("model.embed_tokens", inner._modules.get("embed_tokens"), nn.Embedding),
-            ("lm_head", model._modules.get("lm_head"), nn.Linear), ("model.norm", inner._modules.get("norm"), None)]
-    for i, layer in enumerate(inner._modules["layers"]):
-        at, subs = f"model.layers.{i}", layer._modules
-        attn, mlp = subs.get("self_attn"), subs.get("mlp")
-        path += [(at, layer, None), (f"{at}.self_attn", attn, None), (f"{at}.mlp", mlp, None)]
-        path += [(f"{at}.{n}", subs.get(n), None) for n in norms]
-        attn_mods = {} if attn is None else attn._modules
-        mlp_mods = {} if mlp is None else mlp._modules
-        path += [(f"{at}.self_attn.{n}", attn_mods.get(n), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        path += [(f"{at}.self_attn.{n}", attn_mods.get(n), None) for n in attn_subs]
-        path += [(f"{at}.mlp.{n}", mlp_mods.get(n), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")]
-    for name, module, cls in path:
-        kind = type(module)
-        if module is None:
-            return f"{name} is missing: pagedkv runs {config.model_type} from its modules' weights"
-        if cls is nn.Linear and kind is not nn.Linear:
-            return (f"{name} is a {kind.__name__}, not a torch.nn.Linear: pagedkv runs its own forward "
-                    "from the weights and would leave out what the module adds (merge adapters into "
-                    "the weights first, e.g. PEFT's merge_and_unload())")
-        if cls is not nn.Linear and not kind.__module__.startswith("transformers."):
-            return (f"{name} is a {kind.__name__} from {kind.__module__}, not the model's own "
-                    "transformers module: pagedkv runs its own forward and would leave it out")
-    return None
+        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    attention_modules = ("q_norm", "k_norm") if config.model_type == "gemma3_text" else ()
+    # embed_tokens: transformers' scaled embedding module (the scale is taken as HF applies it)
+    return path_reason(layer_path(model, norms, attention_modules, embedding=None), config.model_type)
 
 
 def extract_gemma_weights(model) -> GemmaWeights:

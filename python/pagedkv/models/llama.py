@@ -24,20 +24,22 @@ from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, computes, paged_attention
 from pagedkv.layers.moe import MoEWeights, moe_mlp, moe_weights
 from pagedkv.models.windows import layer_windows
+from pagedkv.quant.dispatch import LinearWeight, apply_gate_up_silu, apply_linear
 
 
 @dataclasses.dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(Hq + 2 * Hkv) * Dh, D]
+    # The linears: dense tensors, or an int4 checkpoint's W4A16 weights (quant/dispatch.py)
+    qkv: LinearWeight  # [(Hq + 2 * Hkv) * Dh, D]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 * Hkv) * Dh] (Qwen2)
     q_norm: torch.Tensor | None  # [Dh] (Qwen3)
     k_norm: torch.Tensor | None  # [Dh] (Qwen3)
-    o: torch.Tensor  # [D, Hq * Dh]
+    o: LinearWeight  # [D, Hq * Dh]
     o_bias: torch.Tensor | None  # [D] (Llama's attention_bias=True)
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor | None  # [2 * I, D]; a MoE layer's shared expert's, or None without one
-    down: torch.Tensor | None  # [D, I]
+    gate_up: LinearWeight | None  # [2 * I, D]; a MoE layer's shared expert's, or None without one
+    down: LinearWeight | None  # [D, I]
     moe: MoEWeights | None = None  # a mixture-of-experts MLP (layers/moe.py; gate_up/down: its shared expert)
 
 
@@ -56,6 +58,11 @@ class DecoderWeights:
     eps: float
     scale: float
     windows: list[int]  # [num_layers]: each layer's sliding window, 0 = whole context (models/windows.py)
+    # Granite's scalars (1.0 elsewhere, and then skipped): the embedding times embedding_multiplier,
+    # each sublayer's output times residual_multiplier before its residual add, logits / logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
 
 def _fuse_rows(linears: list[torch.nn.Linear], with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -117,6 +124,9 @@ def extract_weights(model) -> DecoderWeights:
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
         head_dim=head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
         windows=layer_windows(config),
+        embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0)),
+        residual_multiplier=float(getattr(config, "residual_multiplier", 1.0)),
+        logits_scaling=float(getattr(config, "logits_scaling", 1.0)),
     )
 
 
@@ -140,6 +150,8 @@ class PagedDecoder:
     def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
         """residual += hidden (summed over the ranks first when hidden is a rank's partial O or
         down product); hidden = rms_norm(residual) * weight. In place."""
+        if self.w.residual_multiplier != 1.0:  # Granite: HF rounds the product, then the sum
+            hidden.mul_(self.w.residual_multiplier)
         if self.tp is None:
             ops.fused_add_rms_norm(hidden, residual, weight, self.w.eps)
         else:
@@ -156,9 +168,11 @@ class PagedDecoder:
         # shape is known.
         workspace = None
         residual = F.embedding(input_ids, w.embed)  # [T, D]
+        if w.embedding_multiplier != 1.0:  # Granite
+            residual.mul_(w.embedding_multiplier)
         hidden = ops.rms_norm(residual, w.layers[0].input_norm, w.eps)
         for i, layer in enumerate(w.layers):
-            qkv = ops.linear(hidden, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
+            qkv = apply_linear(hidden, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
             q = qkv[:, :q_size].view(num_tokens, w.num_heads, w.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, w.num_kv_heads, w.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, w.num_kv_heads, w.head_dim)
@@ -169,16 +183,18 @@ class PagedDecoder:
                 workspace = attention_workspace(q, self.k_caches[0], meta)
             attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale, workspace,
                                    sliding_window=self.windows[i])  # [T, Hq, Dh]
-            hidden = ops.linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias)
+            hidden = apply_linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias)
             self._add_norm(hidden, residual, layer.post_norm)
             if layer.moe is not None:
                 hidden = moe_mlp(hidden, layer.moe, layer.gate_up, layer.down)  # [T, D]
             else:
-                act = ops.gate_up_silu(hidden, layer.gate_up)  # [T, I]
-                hidden = ops.linear(act, layer.down)
+                act = apply_gate_up_silu(hidden, layer.gate_up)  # [T, I]
+                hidden = apply_linear(act, layer.down)
             after = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
             self._add_norm(hidden, residual, after)
         if logits_rows is not None:
             hidden = hidden[logits_rows]
         logits = ops.linear(hidden, w.lm_head)
+        if w.logits_scaling != 1.0:  # Granite: HF divides (not times the reciprocal)
+            logits.div_(w.logits_scaling)
         return logits if self.tp is None else self.tp.gather_vocab(logits, w.vocab_size)

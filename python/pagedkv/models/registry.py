@@ -12,6 +12,8 @@ from pagedkv.layers.attention import computes
 from pagedkv.layers.rotary import rope_type
 from pagedkv.models.fallback import fallback_reason
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, gemma_reason
+from pagedkv.models.module_path import ATTENTION_LINEARS, MLP_LINEARS, PathEntry, outer_path, path_reason
+from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
 from pagedkv.models.windows import layer_windows
 
 # Llama's decoder under other names: the same layers, norms, activation and rotary layout (read
@@ -19,6 +21,12 @@ from pagedkv.models.windows import layer_windows
 # config; phi3 stores QKV and gate/up fused (FUSED_QKV_GATE_UP). Types transformers lacks never occur.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "ministral", "cwm", "seed_oss",
                          "internlm3", "iquestcoder", "mixtral", "qwen2_moe", "qwen3_moe")
+# Llama's decoder with scalar multipliers (DecoderWeights' embedding/residual/logits fields, the
+# attention scale): taken from the HF model on one device (the checkpoint readers, sharded or int4,
+# do not read them).
+SCALED_MODEL_TYPES = ("granite",)
+# Every type with a native decoder (models/llama.py, gemma.py, olmo2.py).
+NATIVE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + SCALED_MODEL_TYPES + GEMMA_MODEL_TYPES + OLMO2_MODEL_TYPES
 FUSED_QKV_GATE_UP = ("phi3",)  # self_attn.qkv_proj [q; k; v] and mlp.gate_up_proj [gate; up] as stored
 # Types whose MLP may be a mixture of experts (layers/moe.py): one device only (not sharded yet).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -29,9 +37,7 @@ OTHER_DECODERS = {
     "hunyuan_v1_dense": "its query/key RMSNorm comes after the rotary embedding (Qwen3's: before)",
     "smollm3": "some layers have no rotary embedding (NoPE layers)",
     "ministral3": "queries are scaled by position (llama_4_scaling_beta)",
-    "granite": "embedding, residual, attention and logits multipliers",
     "hyperclovax": "embedding, residual, attention and logits multipliers, and post-norms",
-    "olmo2": "its norms come after the attention and MLP outputs, q/k norms over all heads",
     "exaone4": "its norms come after the attention and MLP outputs",
     "arcee": "its MLP has no gate (up -> ReLU^2 -> down)",
     "jais2": "LayerNorm instead of RMSNorm, ReLU^2 MLP without a gate",
@@ -45,8 +51,8 @@ OTHER_DECODERS = {
 # tests/test_fallback.py; a type that fails there stays off (GPT-2 passes, but stays the tests'
 # example of a refused type for now).
 FALLBACK_MODEL_TYPES = ("apertus", "arcee", "codegen", "cohere", "ernie4_5", "exaone4",
-                        "glm", "gpt_bigcode", "gpt_neox", "gptj", "granite", "granitemoe",
-                        "helium", "hunyuan_v1_dense", "jais2", "nemotron", "olmo", "olmo2", "olmo3",
+                        "glm", "gpt_bigcode", "gpt_neox", "gptj", "granitemoe",
+                        "helium", "hunyuan_v1_dense", "jais2", "nemotron", "olmo", "olmo3",
                         "opt", "persimmon", "phi", "smollm3", "stablelm", "starcoder2")
 # Native decoders whose CUDA kernels were written without a GPU at hand (Gemma's (1 + w) RMSNorm
 # and GELU-tanh, the MoE expert kernels) and have not passed their CUDA tests yet. On a CUDA device
@@ -85,10 +91,12 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
                 "(mixture of experts) have not passed their GPU tests yet, and it has no fallback path")
     if model_type in GEMMA_MODEL_TYPES:  # models/gemma.py
         return gemma_reason(model, SUPPORTED_HEAD_DIMS) or _placement_reason(model, placement)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type in OLMO2_MODEL_TYPES:  # models/olmo2.py
+        return olmo2_reason(model, SUPPORTED_HEAD_DIMS, SUPPORTED_ROPE_TYPES) or _placement_reason(model, placement)
+    if model_type not in SUPPORTED_MODEL_TYPES + SCALED_MODEL_TYPES:
         differs = f" ({OTHER_DECODERS[model_type]})" if model_type in OTHER_DECODERS else ""
         return (f"model_type {model_type!r} is not supported{differs}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES + GEMMA_MODEL_TYPES)}; by their own HF modules (slower): "
+                f"{', '.join(NATIVE_MODEL_TYPES)}; by their own HF modules (slower): "
                 f"{', '.join(FALLBACK_MODEL_TYPES)}")
     if not hasattr(model, "model") or not hasattr(model, "lm_head"):
         return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
@@ -138,7 +146,8 @@ def _placement_reason(model, placement: bool) -> str | None:
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
         return (f"parameter dtypes {sorted(map(str, dtypes))} are not supported; supported: one of "
-                f"{', '.join(map(str, SUPPORTED_DTYPES))} for all parameters (quantized models are not)")
+                f"{', '.join(map(str, SUPPORTED_DTYPES))} for all parameters (quantized models are not; "
+                "AWQ/GPTQ int4 checkpoints load with pagedkv.from_pretrained_quantized)")
     if not placement:
         return None
     devices = {p.device for p in params}
@@ -146,8 +155,11 @@ def _placement_reason(model, placement: bool) -> str | None:
         return f"the model is spread over {sorted(map(str, devices))}; pagedkv needs it on one device"
     device = next(iter(devices))
     if device.type == "meta":
-        # Runs only as the skeleton of a tensor-parallel shard pagedkv read from a checkpoint.
-        if getattr(getattr(model, PREPARED_ATTR, None), "tp", None) is None:
+        # Runs only as the skeleton of a tensor-parallel shard or a quantized checkpoint pagedkv read.
+        state = getattr(model, PREPARED_ATTR, None)
+        if getattr(state, "quant", None) is not None:
+            return quantized_cuda_reason(state.quant, state.device)
+        if getattr(state, "tp", None) is None:
             return ("the model is on the meta device: it holds no weights (load them, or read a "
                     "checkpoint's shards with pagedkv.tensor_parallel_from_pretrained)")
     elif device.type not in ("cpu", "cuda"):
@@ -156,20 +168,15 @@ def _placement_reason(model, placement: bool) -> str | None:
 
 
 # The modules of each decoder layer that pagedkv takes weights from, by parent; nn.Linear exactly.
-_LAYER_LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+_LAYER_LINEARS = {"self_attn": ATTENTION_LINEARS, "mlp": MLP_LINEARS}
 _FUSED_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
 
 def _module_reason(model) -> str | None:
-    """pagedkv runs its own forward from the weights of the modules on the decoder's path: one of
-    another type there (an adapter wrapper such as PEFT's LoRA layers, a quantized or custom
-    Linear) would be silently left out, so it is refused. Reads _modules directly: this runs on
-    every generate() call, and nn.Module.__getattr__ is slow."""
-    inner = model.model
+    """A module of another type on the decoder's path is refused (models/module_path.py)."""
     linears_of = _FUSED_LINEARS if model.config.model_type in FUSED_QKV_GATE_UP else _LAYER_LINEARS
-    path = [("model.embed_tokens", inner._modules.get("embed_tokens"), nn.Embedding),
-            ("lm_head", model._modules.get("lm_head"), nn.Linear), ("model.norm", inner._modules.get("norm"), None)]
-    for i, layer in enumerate(inner._modules["layers"]):
+    path = outer_path(model)
+    for i, layer in enumerate(model.model._modules["layers"]):
         at, subs = f"model.layers.{i}", layer._modules
         path.append((at, layer, None))
         path += [(f"{at}.{n}", subs.get(n), None) for n in ("input_layernorm", "post_attention_layernorm")]
@@ -181,19 +188,10 @@ def _module_reason(model) -> str | None:
                 path += _moe_path(f"{at}.{parent}", linears)
                 continue
             path += [(f"{at}.{parent}.{n}", linears.get(n), nn.Linear) for n in names]
-    for name, module, cls in path:
-        kind = type(module)
-        if cls is not None and kind is not cls:
-            return (f"{name} is a {kind.__name__}, not a torch.nn.{cls.__name__}: pagedkv runs its "
-                    "own forward from the weights and would leave out what the module adds "
-                    "(merge adapters into the weights first, e.g. PEFT's merge_and_unload())")
-        if cls is None and not kind.__module__.startswith("transformers."):
-            return (f"{name} is a {kind.__name__} from {kind.__module__}, not the model's own "
-                    "transformers module: pagedkv runs its own forward and would leave it out")
-    return None
+    return path_reason(path, model.config.model_type)
 
 
-def _moe_path(at: str, subs: dict) -> list[tuple[str, nn.Module | None, type | None]]:
+def _moe_path(at: str, subs: dict) -> list[PathEntry]:
     """_module_reason's path through a MoE MLP: its router and experts (transformers modules whose
     parameters pagedkv reads), and a shared expert's Linears and gate (Qwen2-MoE)."""
     path = [(f"{at}.{n}", subs.get(n), None) for n in ("gate", "experts")]
@@ -253,3 +251,13 @@ def attention_window(model, device: torch.device | None = None) -> int | None:
 WINDOW_KERNEL_MISSING = ("pagedkv's CUDA attention has no sliding-window kernel yet: on CUDA the window "
                          "layers attend to whole contexts, which equals HF's window only within it (on "
                          "the CPU sequences run past the window)")
+
+
+def quantized_cuda_reason(method: str, device: torch.device) -> str | None:
+    """Why an int4 checkpoint (AWQ, GPTQ) cannot run on `device`, or None: on CUDA its kernel
+    (linear_w4a16) was written without a GPU at hand and has not passed its CUDA tests yet
+    (as CUDA_UNTESTED_NATIVE's kernels); UNTESTED_CUDA_ENV=1 runs it anyway."""
+    if torch.device(device).type != "cuda" or os.environ.get(UNTESTED_CUDA_ENV) == "1":
+        return None
+    return (f"{method.upper()} checkpoints run on the CPU only for now: its INT4 CUDA kernel has not passed "
+            f"its GPU tests yet (set {UNTESTED_CUDA_ENV}=1 to run it untested)")

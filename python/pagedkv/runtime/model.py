@@ -47,12 +47,14 @@ from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read
 from pagedkv.models.fallback import FallbackWeights, fallback_weights
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights, gemma_cos_sin
 from pagedkv.models.llama import DecoderWeights, extract_weights
+from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, Olmo2Weights, extract_olmo2_weights
 # PREPARED_ATTR: the attribute of the HF model that holds its PreparedModel (in the registry: its
 # support check lets a skeleton on meta run only with a shard).
 from pagedkv.models import registry
 from pagedkv.models.registry import (PREPARED_ATTR, SUPPORTED_MODEL_TYPES, UnsupportedModel, check_supported,
                                      support_path)
 from pagedkv.models.sharding import shard_weights
+from pagedkv.quant.dispatch import linear_tensors
 from pagedkv.runtime.parallel import TensorParallel
 from pagedkv.runtime.peer_all_reduce import PeerAllReduce
 
@@ -129,7 +131,7 @@ def _changed_error(change: str, tp: bool, who: str) -> ModelChanged:
 @dataclasses.dataclass(eq=False)
 class PreparedModel:
     # FallbackWeights: a type pagedkv runs by the HF model's own modules (models/fallback.py).
-    weights: DecoderWeights | GemmaWeights | FallbackWeights
+    weights: DecoderWeights | GemmaWeights | Olmo2Weights | FallbackWeights
     # [max_positions, rot_dim] fp32 from the model's rotary (Gemma: [tables, ...]); None: fallback
     cos_sin: torch.Tensor | None
     device: torch.device  # where the forward runs (a shard's device may differ from the HF model's)
@@ -141,6 +143,8 @@ class PreparedModel:
     # generate() calls on one model from several threads run one at a time (they share the cache).
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     fingerprint: tuple = ()  # the model's, once the weights were taken (see fingerprint())
+    # "awq"/"gptq": int4 checkpoint weights read by pagedkv (runtime/quantized.py) beside a skeleton
+    quant: str | None = None
 
     @classmethod
     def of(cls, model, tp: TensorParallel | None = None, reader: TensorReader | None = None) -> PreparedModel:
@@ -161,6 +165,8 @@ class PreparedModel:
                 weights = read_shard(model, reader, tp.rank, tp.world_size, tp.device, param.dtype)
             elif model.config.model_type in GEMMA_MODEL_TYPES:  # never sharded (tensor_parallel refuses)
                 weights = extract_gemma_weights(model)
+            elif model.config.model_type in OLMO2_MODEL_TYPES:  # never sharded (tensor_parallel refuses)
+                weights = extract_olmo2_weights(model)
             else:
                 weights = extract_weights(model)
                 if tp is not None:
@@ -199,7 +205,8 @@ def weight_bytes(weights: DecoderWeights) -> int:
         return sum(p.numel() * p.element_size() for p in weights.model.parameters())
     tensors = [weights.embed, weights.final_norm, weights.lm_head]
     for layer in weights.layers:
-        tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+        # W4A16 weights (and parts of a linear): the bytes of their packed tensors
+        tensors += [t for f in dataclasses.fields(layer) for t in linear_tensors(getattr(layer, f.name))]
         tensors += moe_weight_tensors(layer.moe) if getattr(layer, "moe", None) is not None else []
     unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
     return sum(t.numel() * t.element_size() for t in unique.values())
@@ -220,6 +227,9 @@ def prepared(model) -> PreparedModel:
         if state is not None and change is None:
             return state
         if state is not None:
+            if state.quant is not None:  # the weights were read from a checkpoint: nothing to take again
+                raise ModelChanged(f"pagedkv: the model changed since pagedkv read its {state.quant.upper()} "
+                                   f"checkpoint: {change}; load it again with pagedkv.from_pretrained_quantized")
             if state.tp is not None:
                 raise _changed_error(change, True, "pagedkv")
             logger.info("the model changed since pagedkv took its weights (%s): taking them again", change)
@@ -244,7 +254,7 @@ def device_of(model) -> torch.device:
     """Where pagedkv runs `model`: a tensor-parallel shard's device (may differ from the HF
     model's own), else the model's (where it is now: generate() follows a moved model)."""
     state = getattr(model, PREPARED_ATTR, None)
-    if state is not None and state.tp is not None:
+    if state is not None and (state.tp is not None or state.quant is not None):
         return state.device
     return next(model.parameters()).device
 
@@ -289,6 +299,10 @@ def tensor_parallel(model: M, group: dist.ProcessGroup | None = None,
         raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} (models/gemma.py) "
                                "is not sharded yet; run it on one device with pagedkv.generate or pagedkv.LLM; "
                                f"tensor parallelism runs: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model.config.model_type in OLMO2_MODEL_TYPES + registry.SCALED_MODEL_TYPES:
+        raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} is not sharded "
+                               "yet (OLMo-2's q/k norms span all heads; Granite's multipliers are not in the "
+                               "shards); run it on one device with pagedkv.generate or pagedkv.LLM")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("pagedkv.tensor_parallel: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group first (e.g. run under torchrun)")

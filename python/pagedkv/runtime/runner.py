@@ -28,6 +28,7 @@ from pagedkv.layers.attention import ForwardMetadata
 from pagedkv.models.fallback import FallbackDecoder, FallbackWeights
 from pagedkv.models.gemma import GemmaDecoder, GemmaWeights
 from pagedkv.models.llama import PagedDecoder
+from pagedkv.models.olmo2 import Olmo2Decoder, Olmo2Weights
 from pagedkv.runtime.graphs import CudaGraphs
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import graphs_hold_collectives
@@ -116,6 +117,8 @@ class ModelRunner:
             self.decoder = FallbackDecoder(model.weights, cache.k_caches, cache.v_caches)
         elif isinstance(model.weights, GemmaWeights):  # models/gemma.py
             self.decoder = GemmaDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches)
+        elif isinstance(model.weights, Olmo2Weights):  # models/olmo2.py
+            self.decoder = Olmo2Decoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches)
         else:
             self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
                                         tp=model.tp)

@@ -1,0 +1,59 @@
+"""The modules a native decoder takes its weights from, checked before it runs.
+
+pagedkv runs its own forward from the weights of the modules on a decoder's path: a module of
+another type there (an adapter wrapper such as PEFT's LoRA layers, a quantized or custom Linear)
+would be silently left out, so it is refused by name. Reads `_modules` directly: this runs on
+every generate() call, and nn.Module.__getattr__ is slow.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+# (dotted name, the module there or None, the exact class it must be or None: a transformers module)
+PathEntry = tuple[str, "nn.Module | None", "type | None"]
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def outer_path(model, embedding: type | None = nn.Embedding) -> list[PathEntry]:
+    """The embedding (of class `embedding`; None: any transformers module, e.g. Gemma's scaled
+    one), the LM head and the final norm of an HF *ForCausalLM."""
+    inner = model.model
+    return [("model.embed_tokens", inner._modules.get("embed_tokens"), embedding),
+            ("lm_head", model._modules.get("lm_head"), nn.Linear), ("model.norm", inner._modules.get("norm"), None)]
+
+
+def layer_path(model, norms: tuple[str, ...], attention_modules: tuple[str, ...] = (),
+               embedding: type | None = nn.Embedding) -> list[PathEntry]:
+    """outer_path and each decoder layer's: the layer, its self_attn and mlp, the norms named,
+    q/k/v/o and gate/up/down Linears, and self_attn's `attention_modules` (e.g. q_norm, k_norm)."""
+    path = outer_path(model, embedding)
+    for i, layer in enumerate(model.model._modules["layers"]):
+        at, subs = f"model.layers.{i}", layer._modules
+        attn, mlp = subs.get("self_attn"), subs.get("mlp")
+        path += [(at, layer, None), (f"{at}.self_attn", attn, None), (f"{at}.mlp", mlp, None)]
+        path += [(f"{at}.{n}", subs.get(n), None) for n in norms]
+        attn_mods = {} if attn is None else attn._modules
+        mlp_mods = {} if mlp is None else mlp._modules
+        path += [(f"{at}.self_attn.{n}", attn_mods.get(n), nn.Linear) for n in ATTENTION_LINEARS]
+        path += [(f"{at}.self_attn.{n}", attn_mods.get(n), None) for n in attention_modules]
+        path += [(f"{at}.mlp.{n}", mlp_mods.get(n), nn.Linear) for n in MLP_LINEARS]
+    return path
+
+
+def path_reason(path: list[PathEntry], model_type: str) -> str | None:
+    """None if every module on `path` is there and of its class, else a sentence naming the first
+    that is not."""
+    for name, module, cls in path:
+        kind = type(module)
+        if module is None:
+            return f"{name} is missing: pagedkv runs {model_type} from its modules' weights"
+        if cls is not None and kind is not cls:
+            return (f"{name} is a {kind.__name__}, not a torch.nn.{cls.__name__}: pagedkv runs its "
+                    "own forward from the weights and would leave out what the module adds "
+                    "(merge adapters into the weights first, e.g. PEFT's merge_and_unload())")
+        if cls is None and not kind.__module__.startswith("transformers."):
+            return (f"{name} is a {kind.__name__} from {kind.__module__}, not the model's own "
+                    "transformers module: pagedkv runs its own forward and would leave it out")
+    return None

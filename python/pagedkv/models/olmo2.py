@@ -1,0 +1,180 @@
+"""OLMo-2 on pagedkv ops, HF's weights and HF's rounding.
+
+What differs from models/llama.py, each as HF's modeling_olmo2.py computes it:
+- no norm before the attention or the MLP: each sublayer's OUTPUT is normed, then added to the
+  residual, and the residual itself is the next sublayer's input:
+
+      x += norm_post_attn(attention(x));  x += norm_post_ff(mlp(x));  logits = head(norm(x))
+
+- q and k are RMS-normed over ALL heads' vectors at once (weights [Hq * Dh], [Hkv * Dh]), before
+  the rotation;
+- every RMSNorm multiplies its weight into the fp32 value and rounds once
+  (``(weight * normed_fp32).to(dtype)``; Llama's rounds, then multiplies), and the rotation runs
+  in fp32 (its cos/sin are not cast to the dtype) and rounds once.
+
+The fused ops round as Llama does, so those three steps are plain PyTorch here, HF's own
+arithmetic (exact in every dtype, on every device, inside CUDA graphs); K and V then go to the
+cache through ops.rope_and_write_kv with the identity rotation (cos 1, sin 0: the values pass
+unchanged). The GEMMs, SiLU*mul and attention are pagedkv's ops, as in models/llama.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv import ops
+from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
+from pagedkv.layers.rotary import rope_type
+from pagedkv.models.llama import _fuse_rows
+from pagedkv.models.module_path import layer_path, path_reason
+
+OLMO2_MODEL_TYPES = ("olmo2",)
+
+
+@dataclasses.dataclass(slots=True)
+class Olmo2LayerWeights:
+    qkv: torch.Tensor  # [(Hq + 2 * Hkv) * Dh, D]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 * Hkv) * Dh] (attention_bias=True)
+    q_norm: torch.Tensor  # [Hq * Dh]: over all heads at once
+    k_norm: torch.Tensor  # [Hkv * Dh]
+    o: torch.Tensor  # [D, Hq * Dh]
+    o_bias: torch.Tensor | None  # [D]
+    post_attn_norm: torch.Tensor  # [D]: the attention output's norm
+    post_ff_norm: torch.Tensor  # [D]: the MLP output's norm
+    gate_up: torch.Tensor  # [2 * I, D]
+    down: torch.Tensor  # [D, I]
+
+
+@dataclasses.dataclass(slots=True)
+class Olmo2Weights:
+    """DecoderWeights' interface (models/llama.py) for OLMo-2."""
+
+    embed: torch.Tensor  # [V, D]
+    layers: list[Olmo2LayerWeights]
+    final_norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+
+def olmo2_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...]) -> str | None:
+    """None if this file runs `model` exactly, else what it does not run, as a sentence (dtype
+    and placement are the registry's)."""
+    config = model.config
+    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act={config.hidden_act!r} is not supported; supported: 'silu'"
+    kind = rope_type(config)
+    if kind not in rope_types:
+        return f"rope type {kind!r} is not supported; supported: {', '.join(rope_types)}"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in head_dims:
+        return f"head_dim {head_dim} is not supported; supported: {', '.join(map(str, head_dims))}"
+    return _module_reason(model)
+
+
+def _module_reason(model) -> str | None:
+    """A module of another type on the decoder's path is refused (models/module_path.py)."""
+    norms = ("post_attention_layernorm", "post_feedforward_layernorm")
+    return path_reason(layer_path(model, norms, ("q_norm", "k_norm")), model.config.model_type)
+
+
+def extract_olmo2_weights(model) -> Olmo2Weights:
+    """Take (and fuse, in place: see models/llama.py's extract_weights) the weights of an HF
+    Olmo2ForCausalLM. Call outside inference mode."""
+    config, inner = model.config, model.model
+    layers = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], attn.q_proj.bias is not None)
+        gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj], False)
+        layers.append(Olmo2LayerWeights(
+            qkv=qkv, qkv_bias=qkv_bias, q_norm=attn.q_norm.weight.detach(), k_norm=attn.k_norm.weight.detach(),
+            o=attn.o_proj.weight.detach(), o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+            post_attn_norm=layer.post_attention_layernorm.weight.detach(),
+            post_ff_norm=layer.post_feedforward_layernorm.weight.detach(),
+            gate_up=gate_up, down=mlp.down_proj.weight.detach(),
+        ))
+    attn0 = inner.layers[0].self_attn
+    return Olmo2Weights(
+        embed=inner.embed_tokens.weight.detach(), layers=layers, final_norm=inner.norm.weight.detach(),
+        lm_head=model.lm_head.weight.detach(), vocab_size=int(model.lm_head.weight.shape[0]),
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=attn0.head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
+    )
+
+
+def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N], weight [N] -> [..., N] in x's dtype: HF's Olmo2RMSNorm, its arithmetic."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+def rotate_fp32(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [T, H, Dh] -> [T, H, Dh] in x's dtype: HF's apply_rotary_pos_emb with fp32 cos/sin
+    (``x * cos + rotate_half(x) * sin`` in fp32, rounded once). cos_sin [P, Dh] fp32: cos | sin."""
+    half = x.shape[-1] // 2
+    table = cos_sin[positions][:, None]  # [T, 1, Dh]
+    cos, sin = table[..., :half], table[..., half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Olmo2Decoder:
+    """The forward of one OLMo-2 model over the paged cache (PagedDecoder's interface)."""
+
+    def __init__(self, weights: Olmo2Weights, cos_sin: torch.Tensor,
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        self.w = weights
+        self.cos_sin = cos_sin  # [max_position, Dh] fp32: cos | sin halves
+        self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
+        self.v_caches = v_caches
+        # One position whose rotation is the identity: rope_and_write_kv only writes K and V.
+        identity = torch.zeros(1, weights.head_dim, dtype=torch.float32, device=cos_sin.device)
+        identity[:, :weights.head_dim // 2] = 1.0
+        self.identity = identity  # [1, Dh]
+
+    def _attention(self, i: int, layer: Olmo2LayerWeights, x: torch.Tensor, meta: ForwardMetadata,
+                   at_zero: torch.Tensor, workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (O projection [T, D], the step's attention workspace)."""
+        w = self.w
+        num_tokens, eps = x.shape[0], w.eps
+        q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
+        q = rms_norm_fp32_weight(qkv[:, :q_size], layer.q_norm, eps).view(num_tokens, w.num_heads, w.head_dim)
+        k = rms_norm_fp32_weight(qkv[:, q_size:q_size + kv_size], layer.k_norm, eps)
+        k = k.view(num_tokens, w.num_kv_heads, w.head_dim)
+        v = qkv[:, q_size + kv_size:].view(num_tokens, w.num_kv_heads, w.head_dim)
+        q = rotate_fp32(q, self.cos_sin, meta.positions)
+        k = rotate_fp32(k, self.cos_sin, meta.positions)
+        ops.rope_and_write_kv(q, k, v, at_zero, self.identity, self.k_caches[i], self.v_caches[i],
+                              meta.slot_mapping)
+        if workspace is None:
+            workspace = attention_workspace(q, self.k_caches[0], meta)
+        attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale, workspace)  # [T, Hq, Dh]
+        return ops.linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias), workspace
+
+    def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [R, V] for the rows `logits_rows` [R] of the T tokens (all
+        when None), in the model's dtype."""
+        w = self.w
+        workspace = None
+        at_zero = torch.zeros_like(meta.positions)  # [T]: every token at the identity's position
+        residual = F.embedding(input_ids, w.embed)  # [T, D]: also each sublayer's input
+        for i, layer in enumerate(w.layers):
+            out, workspace = self._attention(i, layer, residual, meta, at_zero, workspace)
+            residual.add_(rms_norm_fp32_weight(out, layer.post_attn_norm, w.eps))
+            out = ops.linear(ops.gate_up_silu(residual, layer.gate_up), layer.down)  # [T, D]
+            residual.add_(rms_norm_fp32_weight(out, layer.post_ff_norm, w.eps))
+        hidden = residual if logits_rows is None else residual[logits_rows]
+        return ops.linear(rms_norm_fp32_weight(hidden, w.final_norm, w.eps), w.lm_head)

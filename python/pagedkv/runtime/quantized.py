@@ -1,0 +1,97 @@
+"""pagedkv.from_pretrained_quantized: an AWQ or GPTQ (int4) checkpoint run by pagedkv, its
+linears held in pagedkv's W4A16 layout (models/quantized_checkpoint.py), never dequantized.
+
+    model = pagedkv.from_pretrained_quantized("Llama-3-8B-AWQ", dtype=torch.float16)
+    out = pagedkv.generate(model, input_ids, max_new_tokens=64)   # or pagedkv.patch / pagedkv.LLM
+
+Why a function that returns the HF model rather than HF's from_pretrained + a patch: HF loads
+these checkpoints only through autoawq / gptqmodel (CUDA packages) and would hold its own copy
+of the weights; here the checkpoint is read once, by pagedkv, beside an HF skeleton on the meta
+device (the config, generation config and names that generate(), patch() and LLM read), the
+way tensor_parallel_from_pretrained reads a rank's shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedkv.layers.rotary import build_cos_sin_cache
+from pagedkv.models import registry
+from pagedkv.models.checkpoint_shards import open_checkpoint
+from pagedkv.models.quantized_checkpoint import quant_format, read_quantized
+from pagedkv.models.registry import PREPARED_ATTR, UnsupportedModel
+from pagedkv.runtime.model import PreparedModel, fingerprint, weight_bytes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+# Llama-family types whose linears are q/k/v/o, gate/up/down (models/llama.py), one device.
+QUANTIZED_MODEL_TYPES = tuple(t for t in registry.SUPPORTED_MODEL_TYPES
+                              if t not in registry.MOE_MODEL_TYPES + registry.FUSED_QKV_GATE_UP)
+
+
+def from_pretrained_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None,
+                              device: torch.device | str | None = None) -> PreTrainedModel:
+    """The AWQ/GPTQ checkpoint in `path` (a local folder: config.json with its
+    quantization_config, and model.safetensors or model.safetensors.index.json with its files)
+    as an HF model skeleton pagedkv runs: pagedkv.generate(model, ...), pagedkv.patch(model),
+    pagedkv.LLM(model). dtype: the activations', embedding's, norms' and LM head's (default:
+    the config's dtype, else float16); device: where it runs (default cuda if available, else
+    the CPU). HF's own forward and generate cannot run on the skeleton and say so.
+
+    Raises UnsupportedModel naming the quantization_config field (quant_method, bits,
+    group_size, version, zero_point, checkpoint_format, lm_head) or model type pagedkv does not
+    run, or, on CUDA, the untested INT4 kernel; ValueError naming a missing or misshapen tensor."""
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype if dtype is not None else _config_dtype(path)
+    if dtype not in registry.SUPPORTED_DTYPES:
+        raise ValueError(f"pagedkv.from_pretrained_quantized: dtype {dtype} is not supported; supported: "
+                         f"{', '.join(map(str, registry.SUPPORTED_DTYPES))}")
+    model, reader = open_checkpoint(path, dtype)
+    who = f"pagedkv cannot run {type(model).__name__} from {path}"
+    try:
+        fmt = quant_format(getattr(model.config, "quantization_config", None))
+    except ValueError as error:
+        raise UnsupportedModel(f"{who}: {error}") from None
+    if model.config.model_type not in QUANTIZED_MODEL_TYPES:
+        raise UnsupportedModel(f"{who}: model_type {model.config.model_type!r} is not supported with a "
+                               f"quantized checkpoint; supported: {', '.join(QUANTIZED_MODEL_TYPES)}")
+    reason = registry.quantized_cuda_reason(fmt.method, device)
+    if reason is not None:
+        raise UnsupportedModel(f"{who}: {reason}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    weights = read_quantized(model, reader, fmt, device, dtype)
+    max_positions = int(model.config.max_position_embeddings)
+    rotary = type(model.model.rotary_emb)(model.config)  # the skeleton's is on meta: a fresh one
+    cos_sin = build_cos_sin_cache(model.config, max_positions, device, rotary_emb=rotary)
+    logger.info("read the %s checkpoint of %s: W4A16, %s activations on %s, %.1f MB", fmt.method.upper(),
+                type(model).__name__, str(dtype).removeprefix("torch."), device, weight_bytes(weights) / 1e6)
+    setattr(model, PREPARED_ATTR, PreparedModel(weights, cos_sin, device, dtype, max_positions, None,
+                                                fingerprint=fingerprint(model), quant=fmt.method))
+    model.register_forward_pre_hook(_skeleton_forward)
+    return model
+
+
+def _config_dtype(path: str | os.PathLike) -> torch.dtype:
+    """The dtype config.json names (dtype, or torch_dtype before transformers 5), else float16."""
+    config = pathlib.Path(path) / "config.json"
+    values = json.loads(config.read_text()) if config.is_file() else {}
+    name = values.get("dtype") or values.get("torch_dtype") or "float16"
+    return getattr(torch, str(name).removeprefix("torch."), torch.float16)
+
+
+def _skeleton_forward(module, args):
+    raise RuntimeError(f"{type(module).__name__}'s HF modules are empty (meta): its quantized weights are "
+                       "held by pagedkv (from_pretrained_quantized), so HF's forward and generate cannot run; "
+                       "use pagedkv.generate(model, ...), pagedkv.patch(model) (model.generate then runs "
+                       "pagedkv) or pagedkv.LLM(model)")
