@@ -43,6 +43,17 @@ def assert_no_leaks(llm: LLM) -> None:
     assert len(llm.cache.manager) == 0
 
 
+def assert_llm_gives_hf_greedy_tokens(llm: LLM, model, prompts, greedy: dict) -> None:
+    """llm's greedy tokens for `prompts` (generated together) equal HF generate's with `greedy`
+    (its max_new_tokens, one prompt at a time, on the model's device); nothing held after."""
+    params = SamplingParams(max_tokens=greedy["max_new_tokens"], temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for prompt, tokens in zip(prompts, got):
+        hf = model.generate(torch.tensor([prompt], device=model.device), **greedy)
+        assert tokens == hf[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
+    assert_no_leaks(llm)
+
+
 def check_greedy(llm: LLM, prompts, arch="llama"):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):

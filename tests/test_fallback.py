@@ -18,7 +18,7 @@ import tp_worker
 from conftest import DEVICES
 from pagedkv.models import fallback, registry
 from models import widen
-from test_engine import assert_no_leaks, random_prompts
+from test_engine import assert_llm_gives_hf_greedy_tokens, assert_no_leaks, random_prompts
 
 SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -107,11 +107,7 @@ def test_llm_gives_hf_greedy_tokens(model_type):
         return
     prompts = random_prompts([5, 19])
     llm = pagedkv.LLM(model, max_num_seqs=2, max_num_batched_tokens=8)
-    params = pagedkv.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    for prompt, tokens in zip(prompts, got):
-        assert tokens == model.generate(torch.tensor([prompt]), **GREEDY)[0, len(prompt):].tolist()
-    assert_no_leaks(llm)
+    assert_llm_gives_hf_greedy_tokens(llm, model, prompts, GREEDY)
 
 
 @pytest.mark.cuda

@@ -16,7 +16,7 @@ from conftest import DEVICES
 from models import widen
 from pagedkv.models import gemma, registry
 from pagedkv.runtime.model import prepared
-from test_engine import assert_no_leaks, random_prompts
+from test_engine import assert_llm_gives_hf_greedy_tokens, random_prompts
 
 COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=256, max_position_embeddings=512,
@@ -98,12 +98,7 @@ def test_llm_gives_hf_greedy_tokens(name, device):
     prompts = random_prompts([5, 19, 12])
     llm = pagedkv.LLM(model, max_num_seqs=3, max_num_batched_tokens=8)
     assert isinstance(llm.runner.decoder, gemma.GemmaDecoder)
-    params = pagedkv.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    for prompt, tokens in zip(prompts, got):
-        ids = torch.tensor([prompt], device=device)
-        assert tokens == model.generate(ids, **GREEDY)[0, len(prompt):].tolist()
-    assert_no_leaks(llm)
+    assert_llm_gives_hf_greedy_tokens(llm, model, prompts, GREEDY)
 
 
 def test_attention_softcap_changes_the_tokens():

@@ -18,7 +18,7 @@ from models import widen
 from pagedkv.models import olmo2, registry
 from pagedkv.models.llama import DecoderWeights, PagedDecoder
 from pagedkv.runtime.model import prepared
-from test_engine import assert_no_leaks, random_prompts
+from test_engine import assert_llm_gives_hf_greedy_tokens, random_prompts
 from tolerance import assert_tokens_equal_up_to_near_tie
 
 COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
@@ -68,12 +68,7 @@ def test_llm_gives_hf_greedy_tokens(name, device):
     prompts = random_prompts([5, 19, 12])
     llm = pagedkv.LLM(model, max_num_seqs=3, max_num_batched_tokens=8)
     assert type(llm.runner.decoder) is DECODERS[name]
-    params = pagedkv.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    for prompt, tokens in zip(prompts, got):
-        ids = torch.tensor([prompt], device=device)
-        assert tokens == model.generate(ids, **GREEDY)[0, len(prompt):].tolist()
-    assert_no_leaks(llm)
+    assert_llm_gives_hf_greedy_tokens(llm, model, prompts, GREEDY)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,7 +18,7 @@ from pagedkv.layers import moe
 from pagedkv.models import registry
 from pagedkv.models.registry import UnsupportedModel
 from pagedkv.runtime.model import prepared, weight_bytes
-from test_engine import assert_no_leaks, random_prompts
+from test_engine import assert_llm_gives_hf_greedy_tokens, random_prompts
 from tolerance import assert_close_to_baseline, assert_tokens_equal_up_to_near_tie
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -162,13 +162,7 @@ def test_generate_gives_hf_greedy_tokens(name, path, monkeypatch):
 def test_llm_gives_hf_greedy_tokens(name):
     model = tiny(name)
     prompts = random_prompts([5, 19])
-    params = pagedkv.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    llm = pagedkv.LLM(model, max_num_seqs=2)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    for prompt, tokens in zip(prompts, got):
-        hf = model.generate(torch.tensor([prompt]), **GREEDY)
-        assert tokens == hf[0, len(prompt):].tolist()
-    assert_no_leaks(llm)
+    assert_llm_gives_hf_greedy_tokens(pagedkv.LLM(model, max_num_seqs=2), model, prompts, GREEDY)
 
 
 @pytest.mark.cuda

@@ -12,14 +12,13 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import pagedkv
 import tp_worker
-from conftest import DEVICES
 from tolerance import assert_tokens_equal_up_to_near_tie
 from models import _COMMON, widen
 from pagedkv.models import registry
 from pagedkv.models.checkpoint_shards import open_checkpoint, read_shard
 from pagedkv.models.llama import extract_weights
 from pagedkv.models.sharding import shard_weights
-from test_engine import assert_no_leaks, random_prompts
+from test_engine import assert_llm_gives_hf_greedy_tokens, random_prompts
 from test_tp_checkpoint import assert_same_weights
 
 # name -> (model_type, config fields beyond _COMMON): what each case exercises in the comment.
@@ -89,13 +88,7 @@ def test_generate_gives_hf_greedy_tokens(name):
 def test_llm_gives_hf_greedy_tokens(name):
     model = tiny(name)
     prompts = random_prompts([5, 19])
-    params = pagedkv.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    llm = pagedkv.LLM(model, max_num_seqs=2)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    for prompt, tokens in zip(prompts, got):
-        hf = model.generate(torch.tensor([prompt]), pad_token_id=0, **GREEDY)
-        assert tokens == hf[0, len(prompt):].tolist()
-    assert_no_leaks(llm)
+    assert_llm_gives_hf_greedy_tokens(pagedkv.LLM(model, max_num_seqs=2), model, prompts, dict(GREEDY, pad_token_id=0))
 
 
 @pytest.mark.cuda
