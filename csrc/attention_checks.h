@@ -11,8 +11,7 @@
 
 namespace pagedkv {
 
-// 64, 128, 256 have kernels of their own; the other multiples of 16 run those of the next wider
-// one (128 or 256) with the columns past head_dim zero.
+// The CPU op takes every multiple of 16 up to 256; CUDA a few of them (check_cuda_head_dim).
 inline bool is_supported_head_dim(int64_t d) { return d >= 16 && d <= 256 && d % 16 == 0; }
 
 // The options both ops share: a sliding window of keys and a logit softcap, 0 = off.
@@ -23,12 +22,13 @@ inline void check_attention_options(int64_t sliding_window, double logit_softcap
               logit_softcap, "; allowed: 0 (none) or a positive finite cap");
 }
 
-// What the CUDA kernels do not compute yet (the CPU ops do): refused rather than ignored.
-inline void check_cuda_attention_options(int64_t head_dim, int64_t sliding_window, double logit_softcap) {
-  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "pagedkv: q has head_dim ",
-              head_dim, "; allowed on CUDA: 64, 128, 256 (the CPU op takes any multiple of 16 up to 256)");
-  TORCH_CHECK(sliding_window == 0 && logit_softcap == 0.0, "pagedkv: sliding_window ", sliding_window,
-              " and logit_softcap ", logit_softcap, "; allowed on CUDA: 0 and 0 (the CPU op takes both)");
+// The head dims the CUDA kernels are compiled for (the CPU op takes every multiple of 16 up to
+// 256); sliding_window and logit_softcap they compute like the CPU op.
+inline void check_cuda_head_dim(int64_t head_dim) {
+  TORCH_CHECK(head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 ||
+                  head_dim == 256,
+              "pagedkv: q has head_dim ", head_dim,
+              "; allowed on CUDA: 64, 80, 96, 128, 256 (the CPU op takes any multiple of 16 up to 256)");
 }
 
 // The contract both paged attention ops share. out, q: [rows, Hq, D] (head_dim contiguous; rows

@@ -79,6 +79,9 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("moe_gate_up_silu(Tensor! out, Tensor x, Tensor gate_up, Tensor expert_ids) -> ()");
   // out[t] = sum_j weights[t, j] * (act[t, j] @ down[expert_ids[t, j]]^T) with HF's rounding.
   m.def("moe_down_sum(Tensor! out, Tensor act, Tensor down, Tensor expert_ids, Tensor weights) -> ()");
+  // HF's router in one op: ids [T, k] and weights [T, k] (float32 or x's dtype) of the top-k of
+  // softmax(x @ router^T in x's dtype) in fp32, divided by their sum if normalize.
+  m.def("moe_route(Tensor! expert_ids, Tensor! weights, Tensor x, Tensor router, bool normalize) -> ()");
 
   // Int4 weight-only linear (csrc/linear_w4a16_checks.h): out = x @ W^T, W [n, k] =
   // (q - zeros) * scales per group of group_size input columns, q packed 8 a word in packed.

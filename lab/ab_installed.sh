@@ -4,14 +4,22 @@
 # folder, then one benchmark run alternately A, B, A, B... for N rounds, so the machine's drift
 # shows as the spread within each side instead of as a difference between sides. Unlike
 # gpu_ab.sh it rebuilds nothing between rounds and runs no tests (gpu_check.sh does those).
-# Writes $OUT/ab_installed.md: each run's table, in order.
-# Usage: lab/ab_installed.sh PATCH ROUNDS BENCH_SCRIPT [BENCH_ARGS...]
+# Writes $OUT/ab_installed.md: each run's table, in order. Several benchmarks, separated by "::",
+# run one after the other within each side's turn (each side built once for all of them).
+# Usage: lab/ab_installed.sh PATCH ROUNDS BENCH_SCRIPT [BENCH_ARGS...] [:: BENCH_SCRIPT [ARGS...]]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PATCH=$(realpath "${1:?usage: ab_installed.sh PATCH ROUNDS BENCH_SCRIPT [ARGS...]}")
 ROUNDS=${2:?rounds}
-BENCH=${3:?benchmark script, e.g. benchmarks/bench_throughput.py}
-shift 3
+: "${3:?benchmark script, e.g. benchmarks/bench_throughput.py}"
+shift 2
+# BENCHES[i]: one benchmark's command line (script and arguments), split at "::".
+BENCHES=()
+current=""
+for arg in "$@"; do
+  if [ "$arg" = "::" ]; then BENCHES+=("$current"); current=""; else current+="${current:+ }$(printf '%q' "$arg")"; fi
+done
+BENCHES+=("$current")
 RESULTS=${OUT:-${RESULTS_DIR:-results}}
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
@@ -30,17 +38,20 @@ for side in A B; do
   echo "built $side in $(( $(date +%s) - start )) s"
 done
 REPORT="$RESULTS/ab_installed.md"
-echo "# ab_installed: A = the tree, B = A + $(basename "$PATCH"); $BENCH $*" > "$REPORT"
+echo "# ab_installed: A = the tree, B = A + $(basename "$PATCH"); ${BENCHES[*]}" > "$REPORT"
 status=0
 for (( round = 1; round <= ROUNDS; round++ )); do
   for side in A B; do
-    echo "== $side, round $round"
-    # Run from the side's own tree (its benchmark scripts) against its own build.
-    if (cd "$WORK/$side" && PYTHONPATH="$WORK/site$side" "$PY" "$BENCH" --out "$WORK/out$side$round" "$@"); then
-      { echo; echo "## $side, round $round"; cat "$WORK/out$side$round"/*.md; } >> "$REPORT"
-    else
-      status=1; echo "## $side, round $round: FAILED" >> "$REPORT"
-    fi
+    for i in "${!BENCHES[@]}"; do
+      echo "== $side, round $round: ${BENCHES[$i]}"
+      out="$WORK/out$side$round-$i"
+      # Run from the side's own tree (its benchmark scripts) against its own build.
+      if (cd "$WORK/$side" && eval "PYTHONPATH=$WORK/site$side $PY ${BENCHES[$i]} --out $out"); then
+        { echo; echo "## $side, round $round: ${BENCHES[$i]}"; cat "$out"/*.md; } >> "$REPORT"
+      else
+        status=1; echo "## $side, round $round: ${BENCHES[$i]}: FAILED" >> "$REPORT"
+      fi
+    done
   done
 done
 cat "$REPORT"

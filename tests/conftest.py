@@ -7,6 +7,7 @@ slow runs (compute-sanitizer) can be spread over several processes.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -53,6 +54,28 @@ def _parse_shard(text: str) -> tuple[int, int]:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_exception_left_handled():
+    """Fails a test after which an exception is still "being handled" (sys.exc_info() set): every
+    later exception would chain to it through __context__ and keep its frames, and with them
+    every engine and KV cache those frames hold (on CUDA: out of memory in later tests)."""
+    before = sys.exc_info()[1]
+    yield
+    left = exception_left_handled(before)
+    if left:
+        pytest.fail(left, pytrace=False)
+
+
+def exception_left_handled(before: BaseException | None) -> str | None:
+    """What is being handled now that was not at `before`, or None. (Inside pytest.raises or an
+    except block of the test the state is restored when the block exits, before this runs.)"""
+    left = sys.exc_info()[1]
+    if left is None or left is before:
+        return None
+    return (f"the test left {type(left).__name__}({str(left)[:200]!r}) being handled (sys.exc_info() "
+            f"is still set after it); tests/interrupts.py in_thread says how that happens")
 
 
 @pytest.fixture(params=[False, True], ids=["serial", "overlap"])

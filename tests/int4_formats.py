@@ -97,3 +97,33 @@ def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     weight = weight.reshape(-1, qweight.shape[1])  # [in, out]
     g = g_idx.long()
     return (scales.float()[g] * (weight - zeros[g]).float()).t()
+
+
+def to_compressed_tensors_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16
+                               ) -> dict[str, torch.Tensor]:
+    """compressed-tensors' symmetric int4 "pack-quantized" layer (strategy "group"; group_size =
+    in for "channel"): scale = amax / 7.5 per group in scale_dtype, q = clamp(round(w / scale),
+    -8, 7), pack_to_int32 along the input: column 8w + i of a row in bits 4i of word w, as q + 8.
+    -> weight_packed [out, in/8] int32, weight_scale [out, in/g], weight_shape [2]."""
+    out_features, in_features = w.shape
+    groups = w.float().view(out_features, in_features // group_size, group_size)
+    scale = (groups.abs().amax(-1) / 7.5).clamp(min=1e-6).to(scale_dtype)
+    q = torch.round(groups / scale.float().unsqueeze(-1)).clamp(-8, 7).long().view(out_features, in_features)
+    unsigned = q + 8
+    packed = torch.zeros(out_features, in_features // 8, dtype=torch.int64)
+    for i in range(8):
+        packed |= unsigned[:, i::8] << (4 * i)
+    return {"weight_packed": _to_int32(packed), "weight_scale": scale,
+            "weight_shape": torch.tensor([out_features, in_features])}
+
+
+def compressed_tensors_int4_dequantize(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                                       weight_shape: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' unpack_from_int32 (stored - 8) and dequantize (q * scale per group), in fp32."""
+    out_features, in_features = weight_shape.tolist()
+    unpacked = torch.zeros(out_features, in_features, dtype=torch.int32)
+    for i in range(8):
+        unpacked[:, i::8] = (weight_packed >> (4 * i)) & 0xF
+    group_size = in_features // weight_scale.shape[1]
+    scale = weight_scale.float().repeat_interleave(group_size, dim=1)
+    return (unpacked - 8).float() * scale

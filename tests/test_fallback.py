@@ -33,9 +33,35 @@ CASES = {
     "nemotron": dict(GQA, head_dim=64), "olmo": GQA, "olmo3": dict(GQA, sliding_window=512),
     "opt": {}, "persimmon": {}, "phi": {}, "smollm3": GQA, "stablelm": GQA,
     "starcoder2": GQA,
+    # mixtures of experts at a few experts each (top-k, shared experts, leading dense layers as
+    # their real configs have them)
+    "afmoe": dict(GQA, head_dim=64, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
+                  num_shared_experts=1, num_dense_layers=1),
+    "cohere2_moe": dict(GQA, head_dim=64, num_experts=4, num_experts_per_tok=2, num_shared_experts=1),
+    "ernie4_5_moe": dict(GQA, moe_num_experts=8, moe_k=2, moe_intermediate_size=64, moe_num_shared_experts=1),
+    "exaone_moe": dict(GQA, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                       num_shared_experts=1, first_k_dense_replace=1),
+    "flex_olmo": dict(GQA, num_experts=7, num_experts_per_tok=5),
+    "glm4_moe": dict(GQA, head_dim=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                     first_k_dense_replace=1),
+    "granitemoeshared": dict(GQA, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=128),
+    "hunyuan_v1_moe": dict(GQA, head_dim=64, num_experts=4, moe_topk=2),
+    "mellum": dict(GQA, head_dim=64, num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    "minimax_m2": dict(GQA, head_dim=64, num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(GQA, num_experts=8, num_experts_per_tok=2),
+    "phimoe": dict(GQA, num_local_experts=4, num_experts_per_tok=2),
+    "solar_open": dict(GQA, head_dim=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    # dense (cohere2, vaultgemma: sliding and full layers; vaultgemma, nanochat: softcaps)
+    "biogpt": {}, "bitnet": GQA, "cohere2": dict(GQA, head_dim=64), "exaone": GQA,
+    "glm4": dict(GQA, head_dim=64), "nanochat": GQA, "vaultgemma": dict(GQA, head_dim=64),
 }
+# Window types get one shorter than the test's sequences (19 + 16 tokens), with sliding and full
+# layers (the kernels compute windows on the CPU and CUDA alike).
+WINDOWS = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+WINDOWED = ("afmoe", "cohere2", "cohere2_moe", "exaone_moe", "vaultgemma")
 # Fields whose defaults are None in these types' configs, which their modules cannot build from.
-DEFAULTS_MISSING = {"hunyuan_v1_dense": dict(head_dim=128), "ministral": dict(head_dim=128),
+DEFAULTS_MISSING = {"hunyuan_v1_dense": dict(head_dim=128), "hunyuan_v1_moe": dict(head_dim=128),
+                    "ministral": dict(head_dim=128),
                     "nemotron": dict(head_dim=128, num_key_value_heads=8)}
 GREEDY = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -46,8 +72,11 @@ def tiny(model_type: str, device: str = "cpu", seed: int = 0, **fields):
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"model_type {model_type!r} is not in transformers here")
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**SMALL, **CASES.get(model_type, {}), **fields})
-    model = AutoModelForCausalLM.from_config(config)
+    window = WINDOWS if model_type in WINDOWED else {}
+    config = AutoConfig.for_model(model_type, **{**SMALL, **CASES.get(model_type, {}), **window, **fields})
+    # softcapped scores: HF's eager attention computes them, its SDPA (5.17's default) drops them
+    eager = dict(attn_implementation="eager") if getattr(config, "attn_logit_softcapping", None) else {}
+    model = AutoModelForCausalLM.from_config(config, **eager)
     return widen(model, norms=True).to(device).eval()
 
 

@@ -36,13 +36,6 @@ CASES = {
 GREEDY = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
-@pytest.fixture(autouse=True)
-def native_on_cuda_too(monkeypatch):
-    """The CUDA cases check the new CUDA kernels themselves: without this, CUDA models of these
-    types take the fallback path until those kernels pass here (registry.CUDA_UNTESTED_NATIVE)."""
-    monkeypatch.setenv(registry.UNTESTED_CUDA_ENV, "1")
-
-
 def tiny(name: str, device: str = "cpu", seed: int = 0, **fields):
     """Weights widened and norm weights jittered (Gemma's zero-initialised norms give one token);
     Gemma-2/3's embedding a quarter of that, so the layers' normed outputs move the residual."""
@@ -59,15 +52,6 @@ def tiny(name: str, device: str = "cpu", seed: int = 0, **fields):
     return model.to(device).eval()
 
 
-def skip_without_kernels(name: str, device: str) -> None:
-    """Gemma-2/3 over sequences past their window need the device's kernels to compute windows and
-    softcaps (the CPU's do; CUDA's refuse them so far): skipped, naming why, until they do."""
-    missing = [k for k in ("sliding_window", "logit_softcap")
-               if name != "gemma" and not gemma.computes(k, torch.device(device))]
-    if missing:
-        pytest.skip(f"the {device} attention kernels do not compute {', '.join(missing)} yet")
-
-
 def assert_nothing_held(model) -> None:
     cache = pagedkv.kv_cache_of(model)
     assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
@@ -76,7 +60,6 @@ def assert_nothing_held(model) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_generate_gives_hf_greedy_tokens(name, device):
-    skip_without_kernels(name, device)
     model = tiny(name, device)
     assert pagedkv.support_path(model) == "native", pagedkv.unsupported_reason(model)
     ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=1)
@@ -93,7 +76,6 @@ def test_generate_gives_hf_greedy_tokens(name, device):
 def test_llm_gives_hf_greedy_tokens(name, device):
     """Prompts chunked by an 8-token step budget: prefill chunks over cached context (past the
     window), decode rows in the same steps."""
-    skip_without_kernels(name, device)
     model = tiny(name, device)
     prompts = random_prompts([5, 19, 12])
     llm = pagedkv.LLM(model, max_num_seqs=3, max_num_batched_tokens=8)
@@ -115,7 +97,6 @@ def test_attention_softcap_changes_the_tokens():
 def test_final_softcap_is_in_the_logits(name, device):
     """The final cap is monotonic (greedy tokens cannot show it): the logits generate returns
     are HF's, within the cap."""
-    skip_without_kernels(name, device)
     model = tiny(name, device)
     ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=1)
     kw = dict(GREEDY, max_new_tokens=4, output_logits=True, return_dict_in_generate=True)
@@ -159,27 +140,16 @@ def test_what_the_decoder_does_not_run_is_refused(name, fields, words):
         pagedkv.generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=2)
 
 
-def test_softcap_refused_where_the_kernels_lack_it(monkeypatch):
-    real = gemma.computes
-    monkeypatch.setattr(gemma, "computes", lambda option, device: option != "logit_softcap" and real(option, device))
-    reason = pagedkv.unsupported_reason(tiny("gemma2"))
-    assert reason is not None and "attn_logit_softcapping=5.0 is not supported on cpu" in reason, reason
-
-
-def test_windows_run_whole_where_the_kernels_lack_them(monkeypatch):
-    """Without window kernels (CUDA, for now) a window layer attends to the whole context, which
-    equals HF's within the window: sequences are kept within it (registry.attention_window)."""
-    real = gemma.computes
-    monkeypatch.setattr(gemma, "computes", lambda option, device: option != "sliding_window" and real(option, device))
-    monkeypatch.setattr(registry, "computes", gemma.computes)
-    model = tiny("gemma3_text", sliding_window=64)
-    assert registry.attention_window(model) == 64
-    ids, mask = tp_worker.left_padded([5, 19], 256, "cpu", seed=1)
-    assert torch.equal(pagedkv.generate(model, ids, attention_mask=mask, **GREEDY),
-                       model.generate(ids, attention_mask=mask, **GREEDY))
-    assert all(layer.window == 0 for layer in prepared(model).weights.layers)
-    with pytest.raises(ValueError, match="sliding_window is 64"):
-        pagedkv.generate(model, ids, attention_mask=mask, max_new_tokens=50, do_sample=False, pad_token_id=0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_runs_past_its_window_with_its_window(device):
+    """The window layers keep their window on every device (CUDA included: nothing caps sequences
+    at it): prompts of 5 and 19 tokens + 50 new ones pass window 64 with HF's greedy tokens."""
+    model = tiny("gemma3_text", device, sliding_window=64)
+    ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=1)
+    kw = dict(GREEDY, max_new_tokens=50)
+    assert torch.equal(pagedkv.generate(model, ids, attention_mask=mask, **kw),
+                       model.generate(ids, attention_mask=mask, **kw))
+    assert [layer.window for layer in prepared(model).weights.layers] == [64, 0, 64]
     assert_nothing_held(model)
 
 

@@ -7,14 +7,13 @@ prompt (a prefix-cache hit) gets the same tokens, never K/V that were reserved b
 
 Each scenario runs once to count its line events, then once per interrupt point: the first and
 the last event of every distinct line plus a seeded random sample (PAGEDKV_INTERRUPT_ALL=1: every
-event; about 15 minutes).
+event; about 15 minutes), each in a thread of its own (tests/interrupts.py in_thread says why).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import signal
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ import pagedkv
 import pagedkv.runtime.model
 from conftest import DEVICES
 from pagedkv import LLM, RequestOutput, SamplingParams
-from interrupts import Interrupter, interrupt_points
+from interrupts import Interrupter, in_thread, interrupt_points
 from models import tiny_model
 from test_engine import assert_no_leaks, hf_greedy, random_prompts
 
@@ -126,25 +125,6 @@ def check_after(llm: LLM, done: dict[str, list[list[int]]], overlap: bool, where
     assert_no_leaks(llm)
 
 
-class Stuck(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Raise Stuck in the block after `seconds` (an engine that never finishes its requests)."""
-    def expire(signum, frame):
-        raise Stuck(f"not done after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def count_events(run) -> list[tuple[str, int]]:
     tracer = Interrupter()
     with tracer:
@@ -174,9 +154,8 @@ def test_interrupt_at_every_line_of_the_engine(api, engine_overlap, device):
     for at in interrupt_points(sites, sample=40 if device == "cpu" else 0):
         llm = new_llm(device)
         tracer = Interrupter(at)
-        try:
-            with deadline(30):
-                run_interrupted(llm, api, tracer, overlap)
+        try:  # in a thread of its own: an interrupt may leave an exception handled there for good
+            in_thread(functools.partial(run_interrupted, llm, api, tracer, overlap), timeout=30)
         except Exception as error:  # noqa: BLE001 - every broken point is reported
             failures.append(f"{tracer.where}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
     assert not failures, f"{len(failures)} interrupt points broke the engine:\n" + "\n".join(failures[:30])
@@ -229,22 +208,25 @@ def test_interrupt_at_every_line_of_pagedkv_generate(do_sample, fresh, device):
     call()  # the first call with the earlier call's prefix-cache hits makes its step views once
     sites = count_events(call)
     failures = []
+
+    def interrupted(tracer: Interrupter) -> None:
+        try:
+            with tracer:
+                call()
+        except KeyboardInterrupt:
+            pass
+        cache = pagedkv.kv_cache_of(m)
+        # Only an interrupt of the clean-up itself may leave rows, for the next call to free.
+        if cache is not None and "free_all" not in tracer.stack[:3] and tracer.where[1] != "generate":
+            assert len(cache.manager) == 0, "rows left in generate's cache"
+        assert torch.equal(call(), want), "the next call's tokens differ"
+        cache = pagedkv.kv_cache_of(m)
+        assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
+
     for at in interrupt_points(sites, sample=40 if device == "cpu" else 0):
         tracer = Interrupter(at)
-        try:
-            with deadline(30):
-                try:
-                    with tracer:
-                        call()
-                except KeyboardInterrupt:
-                    pass
-                cache = pagedkv.kv_cache_of(m)
-                # Only an interrupt of the clean-up itself may leave rows, for the next call to free.
-                if cache is not None and "free_all" not in tracer.stack[:3] and tracer.where[1] != "generate":
-                    assert len(cache.manager) == 0, "rows left in generate's cache"
-                assert torch.equal(call(), want), "the next call's tokens differ"
-                cache = pagedkv.kv_cache_of(m)
-                assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
+        try:  # in a thread of its own, as in test_interrupt_at_every_line_of_the_engine
+            in_thread(functools.partial(interrupted, tracer), timeout=30)
         except Exception as error:  # noqa: BLE001 - every broken point is reported
             failures.append(f"{tracer.where}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
     assert not failures, f"{len(failures)} interrupt points broke generate:\n" + "\n".join(failures[:30])

@@ -74,10 +74,11 @@ UNSUPPORTED = {
     "sliding-window layers": (
         lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, layer_types=["sliding_attention"])),
         r"layer_types \['sliding_attention'\] are not supported; supported: full_attention"),
-    "dynamic rope": (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
-                     r"rope type 'dynamic' is not supported; supported: default, linear, llama3, yarn"),
+    # (rope "dynamic" and "longrope" run since: tests/test_rope_by_length.py)
+    "proportional rope": (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_scaling={"rope_type": "proportional", "factor": 2.0})),
+                          r"rope type 'proportional' is not supported; supported: default, linear, llama3, yarn, dynamic, longrope"),
     "head_dim 8": (lambda: LlamaForCausalLM(LlamaConfig(**{**SMALL, "hidden_size": 16})),
-                   r"head_dim 8 is not supported; supported: 64, 128, 256"),
+                   r"head_dim 8 is not supported; supported: 64, 80, 96, 128, 256"),
     "float64": (lambda: LlamaForCausalLM(LlamaConfig(**SMALL)).double(),
                 r"parameter dtypes \['torch.float64'\] are not supported; supported: one of torch.float32"),
     "spread over devices": (lambda: _spread(LlamaForCausalLM(LlamaConfig(**SMALL))),
@@ -106,24 +107,18 @@ def test_unsupported_model(name):
 
 
 @pytest.mark.cuda
-def test_sliding_window_is_honoured_on_cuda_by_refusing_longer_sequences():
-    """The CUDA kernels do not window yet (the CPU's do: tests/test_sliding_window.py)."""
+def test_sliding_window_runs_past_it_on_cuda():
+    """The CUDA kernels window (they used to, by refusing longer sequences): HF's tokens past it."""
     mistral = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=16)).cuda().eval()
-    with pytest.raises(ValueError, match=r"sequences reach 20 tokens but the model's sliding_window is 16; "
-                                         r".*no sliding-window kernel.*prompt \+ max_new_tokens <= 16"):
-        pagedkv.generate(mistral, torch.tensor([[3] * 12], device="cuda"), max_new_tokens=8)
-    llm = LLM(mistral, num_kv_blocks=4)
-    assert llm.max_model_len == 16
-    with pytest.raises(ValueError, match=r"the prompt has 16 tokens; at most 15 fit.*sliding_window 16"):
-        llm.add_request([3] * 16, GREEDY)
-    assert_cache_clean(pagedkv.kv_cache_of(mistral))
-    ids = torch.tensor([[3, 9, 4, 5]], device="cuda")
-    expected = mistral.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(pagedkv.generate(mistral, ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+    llm = LLM(mistral, num_kv_blocks=8)
+    assert llm.max_model_len > 16
+    ids = torch.tensor([[3, 9, 4, 5] * 3], device="cuda")
+    expected = mistral.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(pagedkv.generate(mistral, ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
                                         pad_token_id=0), expected)
-    out = llm.generate([[3, 9, 4, 5]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    out = llm.generate([ids[0].tolist()], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
-    assert out.token_ids == expected[0, 4:].tolist()
+    assert out.token_ids == expected[0, 12:].tolist()
     assert_cache_clean(llm.cache)
 
 

@@ -15,7 +15,6 @@ import tp_worker
 from conftest import DEVICES
 from models import _COMMON, widen
 from pagedkv.layers import moe
-from pagedkv.models import registry
 from pagedkv.models.registry import UnsupportedModel
 from pagedkv.runtime.model import prepared, weight_bytes
 from test_engine import assert_llm_gives_hf_greedy_tokens, random_prompts
@@ -26,12 +25,6 @@ NUM_TOKENS = [1, 3, 17]
 EXPERTS_TOP_K = [(4, 1), (8, 2), (16, 8)]
 SIZES = [(64, 32), (60, 50)]  # (hidden, intermediate); 60 takes the kernels' scalar path
 
-
-@pytest.fixture(autouse=True)
-def native_on_cuda_too(monkeypatch):
-    """The CUDA cases check the new CUDA kernels themselves: without this, CUDA models of these
-    types take the fallback path until those kernels pass here (registry.CUDA_UNTESTED_NATIVE)."""
-    monkeypatch.setenv(registry.UNTESTED_CUDA_ENV, "1")
 
 # name -> (model_type, config fields beyond _COMMON): what each case exercises in the comment.
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96)

@@ -166,12 +166,11 @@ def test_two_ranks_give_hf_greedy_tokens(tmp_path):
 
 
 @pytest.mark.cuda
-def test_sliding_layers_refuse_sequences_past_their_window_on_cuda():
-    """On CUDA (no window kernel yet) CWM's sliding layers run as full ones: only sequences
-    within the window, as Mistral's (past it on the CPU: tests/test_sliding_window.py)."""
+def test_sliding_layers_run_past_their_window_on_cuda():
+    """CWM's sliding layers on CUDA (refused past the window until the CUDA attention kernels
+    took sliding_window): fp32 greedy tokens past the window equal HF's."""
     model = tiny("cwm", "cuda")
     model.config.sliding_window = 16
-    ids = torch.tensor([[3] * 10], device="cuda")
-    with pytest.raises(ValueError, match="sliding_window is 16.*CUDA"):
-        pagedkv.generate(model, ids, max_new_tokens=10)
-    assert pagedkv.generate(model, ids, max_new_tokens=6).shape == (1, 16)
+    ids = torch.tensor([[3, 7, 11, 5, 9, 2, 8, 4, 6, 10]], device="cuda")
+    expected = model.generate(ids, **GREEDY)
+    assert torch.equal(pagedkv.generate(model, ids, **GREEDY), expected)

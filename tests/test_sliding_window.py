@@ -2,8 +2,7 @@
 layers, CWM, Phi-3) and the fallback path (Gemma-2 with its attention softcap, OLMo-3) pass each
 layer's window (and softcap) to the paged attention kernels, so sequences longer than the window
 give HF's greedy tokens through generate (a left-padded batch) and LLM (prompts chunked by an
-8-token budget) on the CPU, holding no block after. On CUDA, where the kernels do not window or
-softcap yet, longer sequences and softcapped models are refused, naming why."""
+8-token budget), on the CPU and on CUDA (fp32), holding no block after."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import pagedkv
 import tp_worker
+from conftest import DEVICES
 from models import widen
 from pagedkv.models import registry
 from pagedkv.models.checkpoint_shards import open_checkpoint, read_shard
@@ -70,32 +70,35 @@ def assert_nothing_held(model) -> None:
     assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_generate_past_the_window_gives_hf_greedy_tokens(name):
-    model = tiny(name)
+def test_generate_past_the_window_gives_hf_greedy_tokens(name, device):
+    model = tiny(name, device)
     assert pagedkv.support_path(model) == CASES[name][2], pagedkv.unsupported_reason(model)
-    ids, mask = tp_worker.left_padded([5, 19], 256, "cpu", seed=1)
+    ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=1)
     expected = model.generate(ids, attention_mask=mask, **GREEDY)  # [2, 19 + 40]
     assert len(set(expected[:, ids.shape[1]:].flatten().tolist())) >= 4, expected
-    whole = tiny(name, sliding_window=512).generate(ids, attention_mask=mask, **GREEDY)
+    whole = tiny(name, device, sliding_window=512).generate(ids, attention_mask=mask, **GREEDY)
     assert not torch.equal(whole, expected)  # the window changes HF's tokens here
     got = pagedkv.generate(model, ids, attention_mask=mask, **GREEDY)
     assert torch.equal(got, expected)
     assert_nothing_held(model)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_llm_past_the_window_gives_hf_greedy_tokens(name):
+def test_llm_past_the_window_gives_hf_greedy_tokens(name, device):
     """Prefill chunks of 8 tokens over cached context past the window, decode rows in the same
     steps."""
-    model = tiny(name)
+    model = tiny(name, device)
     prompts = random_prompts([5, 19])
     llm = pagedkv.LLM(model, max_num_seqs=2, max_num_batched_tokens=8)
     assert llm.max_model_len == 512  # not capped at the window
     params = pagedkv.SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     for prompt, tokens in zip(prompts, got):
-        assert tokens == model.generate(torch.tensor([prompt]), **GREEDY)[0, len(prompt):].tolist()
+        expected = model.generate(torch.tensor([prompt], device=device), **GREEDY)
+        assert tokens == expected[0, len(prompt):].tolist()
     assert_no_leaks(llm)
 
 
@@ -115,33 +118,7 @@ def test_each_layer_gets_hf_window_and_shards_keep_it(name, windows, tmp_path):
         assert read_shard(skeleton, reader, rank, 2, cpu, torch.float32).windows == windows
 
 
-def test_attention_softcap_runs_on_the_cpu():
-    """The fallback used to refuse attn_logit_softcapping; the CPU kernels compute it now."""
-    assert pagedkv.unsupported_reason(tiny("gemma2")) is None
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", ["mistral", "qwen2", "olmo3"])
-def test_cuda_refuses_sequences_past_the_window(name):
-    model = tiny(name, "cuda")
-    ids = torch.tensor([[3] * 5], device="cuda")
-    with pytest.raises(ValueError, match=r"sliding_window is 8.*CUDA.*no sliding-window kernel yet"):
-        pagedkv.generate(model, ids, max_new_tokens=4 + WINDOW)
-    expected = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(pagedkv.generate(model, ids, **dict(GREEDY, max_new_tokens=3)), expected)
-    assert_nothing_held(model)
-    llm = pagedkv.LLM(model, max_num_seqs=2)
-    assert llm.max_model_len == WINDOW
-    with pytest.raises(ValueError, match=r"max_model_len 8.*sliding_window.*CUDA"):
-        llm.add_request([3] * WINDOW)
-    assert_no_leaks(llm)
-
-
-@pytest.mark.cuda
-def test_cuda_refuses_softcapped_attention():
-    model = tiny("gemma2", "cuda")
-    reason = pagedkv.unsupported_reason(model)
-    assert reason and "attn_logit_softcapping" in reason and "CUDA" in reason, reason
-    with pytest.raises(pagedkv.UnsupportedModel, match="softcap.*CUDA"):
-        pagedkv.generate(model, torch.tensor([[3, 4, 5]], device="cuda"), max_new_tokens=2)
-    assert pagedkv.supports(model.cpu())
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_softcap_runs(device):
+    """The fallback used to refuse attn_logit_softcapping (on CUDA until its kernels had it)."""
+    assert pagedkv.unsupported_reason(tiny("gemma2", device)) is None

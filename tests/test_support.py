@@ -8,7 +8,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from pagedkv.models.registry import attention_window, supports, unsupported_reason
+from pagedkv.models.registry import supports, unsupported_reason
+from pagedkv.models.windows import layer_windows
 
 SMALL = dict(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=2, num_key_value_heads=1)  # head_dim 64
@@ -27,8 +28,8 @@ def test_supported_architectures(config_cls, model_cls):
     (lambda: GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)),
      r"model_type 'gpt2' is not supported; supported: llama, qwen2, qwen3, mistral"),
     (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, hidden_act="gelu")), r"hidden_act='gelu'"),
-    (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
-     r"rope type 'dynamic' is not supported"),
+    (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_scaling={"rope_type": "proportional", "factor": 2.0})),
+     r"rope type 'proportional' is not supported"),
     (lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, layer_types=["full_attention", "sliding_attention"])),
      r"layer_types \['full_attention', 'sliding_attention'\] are not supported"),
     (lambda: LlamaForCausalLM(LlamaConfig(**SMALL)).to(torch.float64),
@@ -41,8 +42,9 @@ def test_unsupported_models_say_why(model, match):
 
 
 def test_mistral_window():
-    """The window caps sequences only where the kernels do not compute it (CUDA, for now)."""
+    """A sliding window is supported on every device: each layer runs with it (nothing caps
+    sequences at it; tests/test_sliding_window.py runs past it), a model without one has none."""
     mistral = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=64))
-    assert attention_window(mistral) is None  # on the CPU
-    assert attention_window(mistral, torch.device("cuda")) == 64
-    assert attention_window(LlamaForCausalLM(LlamaConfig(**SMALL)), torch.device("cuda")) is None
+    assert supports(mistral), unsupported_reason(mistral)
+    assert layer_windows(mistral.config) == [64, 64]
+    assert layer_windows(LlamaConfig(**SMALL)) == [0, 0]

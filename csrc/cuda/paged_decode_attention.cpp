@@ -31,7 +31,7 @@ void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at:
   check_paged_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, workspace,
                           num_splits);
   check_attention_options(sliding_window, logit_softcap);
-  check_cuda_attention_options(q.size(2), sliding_window, logit_softcap);
+  check_cuda_head_dim(q.size(2));
   check_cuda(q, "q");
   kernels::PagedDecodeArgs args{};
   fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,

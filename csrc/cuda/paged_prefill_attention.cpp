@@ -21,7 +21,7 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
   check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            max_query_len, workspace);
   check_attention_options(sliding_window, logit_softcap);
-  check_cuda_attention_options(q.size(2), sliding_window, logit_softcap);
+  check_cuda_head_dim(q.size(2));
   check_cuda(q, "q");
   if (q.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());

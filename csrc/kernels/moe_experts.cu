@@ -15,20 +15,29 @@ namespace {
 constexpr int kWarps = 8;  // output rows per block
 constexpr int kThreads = kWarps * 32;
 
-// a . b over n elements (kVec-element vectors), summed over the warp: every lane gets it.
+// (a . b1, a . b2) over n elements (kVec-element vectors), each summed per lane in order, then
+// over the warp (every lane gets both); one loop so that a lane's loads of both rows
+// (and of several of its vectors: unrolled) are in flight together.
 template <typename T, int kVec>
-__device__ __forceinline__ float warp_dot(const T* __restrict__ a, const T* __restrict__ b, int64_t n) {
+__device__ __forceinline__ float2 warp_dot2(const T* __restrict__ a, const T* __restrict__ b1,
+                                            const T* __restrict__ b2, int64_t n) {
   using V = Vec<T, kVec>;
   const V* va = reinterpret_cast<const V*>(a);
-  const V* vb = reinterpret_cast<const V*>(b);
-  float sum = 0.f;
+  const V* v1 = reinterpret_cast<const V*>(b1);
+  const V* v2 = reinterpret_cast<const V*>(b2);
+  float s1 = 0.f, s2 = 0.f;
+#pragma unroll 4
   for (int64_t i = threadIdx.x % 32; i < n / kVec; i += 32) {
     const V x = va[i];
-    const V y = vb[i];
+    const V y1 = v1[i];
+    const V y2 = v2[i];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) sum = fmaf(to_float(x.v[j]), to_float(y.v[j]), sum);
+    for (int j = 0; j < kVec; ++j) {
+      s1 = fmaf(to_float(x.v[j]), to_float(y1.v[j]), s1);
+      s2 = fmaf(to_float(x.v[j]), to_float(y2.v[j]), s2);
+    }
   }
-  return warp_sum(sum);
+  return make_float2(warp_sum(s1), warp_sum(s2));
 }
 
 // grid: (T * k pairs, ceil(I / kWarps)); warp w of block (p, b) computes out[p, b * kWarps + w].
@@ -48,8 +57,9 @@ __global__ void __launch_bounds__(kThreads) moe_gate_up_silu_kernel(
   if (e >= 0 && e < num_experts) {
     const T* token = x + (pair / top_k) * hidden;
     const T* gate = gate_up + (e * 2 * intermediate + row) * hidden;
-    const T g = from_float<T>(warp_dot<T, kVec>(token, gate, hidden));
-    const T u = from_float<T>(warp_dot<T, kVec>(token, gate + intermediate * hidden, hidden));
+    const float2 gu = warp_dot2<T, kVec>(token, gate, gate + intermediate * hidden, hidden);
+    const T g = from_float<T>(gu.x);
+    const T u = from_float<T>(gu.y);
     result = silu_mul(g, u);
   }
   if (threadIdx.x % 32 == 0) out[pair * intermediate + row] = result;
@@ -57,6 +67,14 @@ __global__ void __launch_bounds__(kThreads) moe_gate_up_silu_kernel(
 
 // grid: (T, ceil(D / kWarps)); warp w of block (t, b) computes out[t, b * kWarps + w], summing
 // the token's k experts in order.
+// Experts of a token whose down rows a lane loads side by side: a warp's row of one expert is
+// only intermediate / (32 kVec) loads a lane (3 at Qwen3-30B-A3B's 768), so one expert at a time
+// left the loads of a batch-1 step too few in flight (the H100 profile: 35 us a layer for 25 MB).
+constexpr int kDownGroup = 8;
+
+// grid: (T, ceil(D / kWarps)); warp w of block (t, b) computes out[t, b * kWarps + w], summing
+// the token's k experts in order. Each expert's dot product is summed in the same order as
+// warp_dot2's (per lane over its vectors, then across the warp), kDownGroup experts at a time.
 template <typename T, typename W, int kVec>
 __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
     T* __restrict__ out,                 // [T, D]
@@ -65,20 +83,52 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
     const int64_t* __restrict__ ids,     // [T, k]
     const W* __restrict__ weights,       // [T, k]
     int64_t top_k, int64_t num_experts, int64_t hidden, int64_t intermediate) {
+  using V = Vec<T, kVec>;
   begin_dependent_kernel();
   const int64_t t = blockIdx.x;
   const int64_t row = static_cast<int64_t>(blockIdx.y) * kWarps + threadIdx.x / 32;
   if (row >= hidden) return;
+  const int64_t vecs = intermediate / kVec;
   float sum = 0.f;
-  for (int64_t j = 0; j < top_k; ++j) {
-    const int64_t e = ids[t * top_k + j];
-    if (e < 0 || e >= num_experts) continue;
-    const float y = to_float(from_float<T>(
-        warp_dot<T, kVec>(act + (t * top_k + j) * intermediate, down + (e * hidden + row) * intermediate,
-                          intermediate)));
-    // HF: expert output (dtype) * weight, in the weights' dtype; then an fp32 sum. No FMA.
-    const float weighted = to_float(from_float<W>(__fmul_rn(y, to_float(weights[t * top_k + j]))));
-    sum = __fadd_rn(sum, weighted);
+  for (int64_t j0 = 0; j0 < top_k; j0 += kDownGroup) {
+    const V* a_row[kDownGroup];  // act of pair (t, j0 + g)
+    const V* d_row[kDownGroup];  // row `row` of its expert's down
+    bool valid[kDownGroup];      // the same in every lane (one token's ids): shuffles below are safe
+    float part[kDownGroup];
+#pragma unroll
+    for (int g = 0; g < kDownGroup; ++g) {
+      const int64_t j = j0 + g;
+      const int64_t e = j < top_k ? ids[t * top_k + j] : -1;
+      valid[g] = e >= 0 && e < num_experts;
+      a_row[g] = reinterpret_cast<const V*>(act + (t * top_k + (valid[g] ? j : 0)) * intermediate);
+      d_row[g] = reinterpret_cast<const V*>(down + ((valid[g] ? e : 0) * hidden + row) * intermediate);
+      part[g] = 0.f;
+    }
+    for (int64_t i = threadIdx.x % 32; i < vecs; i += 32) {
+      V a[kDownGroup], d[kDownGroup];
+#pragma unroll
+      for (int g = 0; g < kDownGroup; ++g) {
+        if (valid[g]) {
+          a[g] = a_row[g][i];
+          d[g] = d_row[g][i];
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kDownGroup; ++g) {
+        if (valid[g]) {
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) part[g] = fmaf(to_float(a[g].v[v]), to_float(d[g].v[v]), part[g]);
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kDownGroup; ++g) {
+      if (!valid[g]) continue;
+      const float y = to_float(from_float<T>(warp_sum(part[g])));
+      // HF: expert output (dtype) * weight, in the weights' dtype; then an fp32 sum. No FMA.
+      const float weighted = to_float(from_float<W>(__fmul_rn(y, to_float(weights[t * top_k + j0 + g]))));
+      sum = __fadd_rn(sum, weighted);
+    }
   }
   if (threadIdx.x % 32 == 0) out[t * hidden + row] = from_float<T>(sum);
 }

@@ -19,8 +19,9 @@ struct PagedDecodeArgs : PagedAttentionArgs {
   int num_sms;       // the device's SM count: how wide a CTA to launch (paged_decode_warps)
 };
 
-// head_dim in {64, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a multiple
-// of num_kv_heads. Also launches the split-combine kernel when num_splits > 1.
+// head_dim in {64, 80, 96, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a
+// multiple of num_kv_heads; sliding_window and logit_softcap as PagedAttentionArgs says (0: off).
+// The last CTA of a split sequence to finish merges the splits (one launch).
 cudaError_t paged_decode_attention(const PagedDecodeArgs& args, DType dtype, cudaStream_t stream);
 
 }  // namespace pagedkv::kernels

@@ -19,4 +19,39 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// tanh to a few ulp of fp32: the build's --use_fast_math turns tanhf into tanh.approx.f32
+// (relative error ~2^-11: 0.02 on a score capped at 50); expm1f keeps small x exact. Past
+// |x| = 9, tanh is 1 in fp32 (and expm1f would overflow).
+__device__ __forceinline__ float precise_tanh(float x) {
+  const float e = expm1f(2.f * fminf(fabsf(x), 9.f));
+  return copysignf(e / (e + 2.f), x);
+}
+
+// cap2 * tanh(s / cap2) in fp64, rounded once. Not inlined: its fp64 registers stay out of the
+// main loops' allocation (a call only on the softcapped path). Static: one copy per file.
+static __device__ __noinline__ float softcap_log2_fp64(float s, float cap2) {
+  return static_cast<float>(cap2 * tanh(static_cast<double>(s) / cap2));
+}
+
+// Gemma-2's logit softcap on a score in log2 units: the natural score s / log2(e) becomes
+// cap * tanh(s / log2(e) / cap), i.e. in log2 units cap2 * tanh(s / cap2) with cap2 = cap *
+// log2(e). Applied only when the cap is set (a uniform branch around the call). fp32 inputs get
+// it in fp64 (rounded once, as PyTorch's fp32 tanh: a few ulp times a cap of 50 would pass the
+// fp32 tests' error); 16-bit ones in fp32 (far below their rounding). Shared with the prefill
+// kernels.
+template <typename T>
+__device__ __forceinline__ float softcap_log2(float s, float cap2) {
+  if constexpr (sizeof(T) == 4) {
+    return softcap_log2_fp64(s, cap2);
+  } else {
+    return cap2 * precise_tanh(s / cap2);
+  }
+}
+
+// The first key a sequence of `ctx` tokens attends to under a sliding window (0: none): a query
+// at position ctx - 1 sees keys j with ctx - 1 - j < window.
+__device__ __forceinline__ int window_first_key(int ctx, int window) {
+  return window > 0 ? max(0, ctx - window) : 0;
+}
+
 }  // namespace pagedkv::kernels::decode

@@ -44,7 +44,7 @@ __device__ __forceinline__ int tile_offset(int token, int chunk) {
 }
 
 // One warp's share of the split [begin, end) in a CTA of W warps: its tokens begin + 8 * warp +
-// 8 * W * i. Leaves the warp's normalized-later partial output, max and sum (log2 units) of its
+// 8 * W * i (begin a multiple of 8; tokens before `lo`, a sliding window's first key, weigh 0). Leaves the warp's normalized-later partial output, max and sum (log2 units) of its
 // heads in s_acc, s_max and s_sum (a warp that saw no token leaves max kNegBig and sum 0).
 // `ring_smem` is ring_bytes of shared memory that s_acc may alias: the CTA syncs before the first
 // write to s_acc. `first_block` is the table entry of the warp's first tile (token begin +
@@ -52,7 +52,8 @@ __device__ __forceinline__ int tile_offset(int token, int chunk) {
 template <typename T, int D, int G, int W>
 __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int block_shift, int b,
                                               int kv_head, int head0, int heads, int begin,
-                                              int end, int first_block, unsigned char* ring_smem,
+                                              int lo, int end, int first_block,
+                                              unsigned char* ring_smem,
                                               float (*s_acc)[G][D], float (*s_max)[G],
                                               float (*s_sum)[G]) {
   static_assert(G <= 8, "a head group is N = 8 columns of O's tile");
@@ -144,9 +145,15 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
 
     // Online softmax in log2 units, with the CUDA-core loop's lazy rescale (the max moves only
     // when a score passes it by more than kRescaleSlack).
-    const bool valid0 = t0 + 2 * t < end, valid1 = t0 + 2 * t + 1 < end;
-    const float x0 = valid0 ? c[0] * q_scale : kNegBig;
-    const float x1 = valid1 ? c[1] * q_scale : kNegBig;
+    const int tok = t0 + 2 * t;
+    const bool valid0 = tok < end && tok >= lo, valid1 = tok + 1 < end && tok + 1 >= lo;
+    float x0 = c[0] * q_scale, x1 = c[1] * q_scale;
+    if (a.logit_softcap > 0.f) {  // uniform; read from the parameters, no registers held
+      x0 = softcap_log2<T>(x0, a.logit_softcap * kLog2e);
+      x1 = softcap_log2<T>(x1, a.logit_softcap * kLog2e);
+    }
+    x0 = valid0 ? x0 : kNegBig;
+    x1 = valid1 ? x1 : kNegBig;
     float tile_max = fmaxf(x0, x1);
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));

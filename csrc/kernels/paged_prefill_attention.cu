@@ -11,6 +11,7 @@
 // launch merges (paged_prefill_attention_merge.cuh).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/paged_prefill_attention.h"
 #include "kernels/paged_prefill_attention_common.cuh"
@@ -61,7 +62,7 @@ bool make_plan(const PagedPrefillArgs& a, int rows, Plan& plan, int64_t& ctas) {
   return true;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kOptions>
 cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
   if (a.num_splits > 1 && !prefill_can_split(D, sizeof(T))) return cudaErrorInvalidValue;
   Plan plan;
@@ -76,7 +77,7 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
                     prefill::mma::keys<D>() % kPrefillSplitKeyTile == 0,
                     "paged_prefill_attention_plan.h's split shapes");
       if (!make_plan(a, prefill::mma::rows<2>(), plan, ctas)) return cudaErrorInvalidConfiguration;
-      const auto kernel = prefill::paged_prefill_mma_kernel<T, D, 2>;
+      const auto kernel = prefill::paged_prefill_mma_kernel<T, D, 2, kOptions>;
       constexpr int smem = prefill::mma::smem_bytes<T, D, 2>();
       if (a.num_splits > 1) {
         if (a.workspace == nullptr) return cudaErrorInvalidValue;
@@ -95,7 +96,7 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
       }
     }
     if (!make_plan(a, prefill::mma::rows<1>(), plan, ctas)) return cudaErrorInvalidConfiguration;
-    return launch_kernel(prefill::paged_prefill_mma_kernel<T, D, 1>, prefill::mma::kThreads,
+    return launch_kernel(prefill::paged_prefill_mma_kernel<T, D, 1, kOptions>, prefill::mma::kThreads,
                          prefill::mma::smem_bytes<T, D, 1>(), a, plan, ctas, stream);
   } else {
     if (!make_plan(a, prefill::simt::kRows, plan, ctas)) return cudaErrorInvalidConfiguration;
@@ -114,14 +115,21 @@ cudaError_t paged_prefill_attention(const PagedPrefillArgs& a, DType dtype, cuda
       a.num_q_heads % a.num_kv_heads != 0 || a.num_splits < 1) {
     return cudaErrorInvalidValue;
   }
+  const bool options = a.sliding_window > 0 || a.logit_softcap > 0.f;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    switch (a.head_dim) {
-      case 64: return launch<T, 64>(a, stream);
-      case 128: return launch<T, 128>(a, stream);
-      case 256: return launch<T, 256>(a, stream);
-      default: return cudaErrorInvalidValue;
-    }
+    auto run = [&](auto with_options) -> cudaError_t {
+      constexpr bool kOptions = decltype(with_options)::value;
+      switch (a.head_dim) {
+        case 64: return launch<T, 64, kOptions>(a, stream);
+        case 80: return launch<T, 80, kOptions>(a, stream);
+        case 96: return launch<T, 96, kOptions>(a, stream);
+        case 128: return launch<T, 128, kOptions>(a, stream);
+        case 256: return launch<T, 256, kOptions>(a, stream);
+        default: return cudaErrorInvalidValue;
+      }
+    };
+    return options ? run(std::true_type{}) : run(std::false_type{});
   });
 }
 

@@ -27,9 +27,10 @@ struct PagedPrefillArgs : PagedAttentionArgs {  // rows = new tokens; context_le
   float* workspace;
 };
 
-// head_dim in {64, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a multiple
-// of num_kv_heads. Row i of sequence b sits at position context_lens[b] - q_len_b + i and sees
-// cache positions 0 .. that position; a row before position 0 gets zeros.
+// head_dim in {64, 80, 96, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a
+// multiple of num_kv_heads. Row i of sequence b sits at position context_lens[b] - q_len_b + i and
+// sees cache positions 0 .. that position (those within sliding_window of it, if set); a row
+// before position 0 gets zeros.
 cudaError_t paged_prefill_attention(const PagedPrefillArgs& args, DType dtype, cudaStream_t stream);
 
 }  // namespace pagedkv::kernels

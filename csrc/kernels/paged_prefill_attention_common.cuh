@@ -8,6 +8,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/paged_decode_attention_common.cuh"
 #include "kernels/paged_prefill_attention.h"
 #include "kernels/paged_prefill_attention_plan.h"
 
@@ -15,6 +16,8 @@ namespace pagedkv::kernels::prefill {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegBig = -1e30f;   // "no key yet": finite, so exp2f(kNegBig - x) is 0, not NaN
+
+using decode::softcap_log2;  // the logit softcap in log2 units (paged_decode_attention_common.cuh)
 
 // Shared-memory row stride of Q/K/V tiles in elements: 16 bytes of padding shift consecutive
 // rows by 4 banks (8 rows read side by side hit distinct banks; ldmatrix is conflict-free) and
@@ -38,7 +41,12 @@ struct Plan {
 struct Work {
   int b, kv_head, first, q_len, tok0, head0, heads, rows;
   int pos0;       // position of the tile's first token (< 0: rows before the context, zeros)
-  int key_begin;  // keys key_begin .. kv_end - 1 are read: the CTA's split of the tile's keys
+  // The CTA's K/V tiles start at key_begin, and keys key_lo .. kv_end - 1 are read (the CTA's
+  // split of the tile's keys; from a sliding window's first key on). The tiles are zeros
+  // elsewhere, their keys masked. key_begin is key_lo, but for a split starting at a window's
+  // first key: there it is the start of that key's K/V tile of the split, so that the split's
+  // last tile still ends at the split's end (a tile past it would hold the next split's keys).
+  int key_begin, key_lo;
   int kv_end;
 };
 
@@ -81,12 +89,19 @@ __device__ __forceinline__ bool cta_work(const PagedPrefillArgs& a, const Plan& 
   w.rows = tokens * w.heads;
   w.pos0 = ctx - w.q_len + w.tok0;
   w.kv_end = max(0, min(ctx, w.pos0 + tokens));
+  // A sliding window: row r (position pos0 + r / heads) sees keys j > its position - window. The
+  // tile's first row sees the earliest, so keys before its window are never read (their blocks
+  // may have been freed and reused).
+  const int window = a.sliding_window;
+  const int window_lo = window > 0 && w.pos0 >= window ? w.pos0 - window + 1 : 0;
   if (plan.splits > 1) {
-    w.key_begin = split * plan.keys_per_split;
-    w.kv_end = min(w.kv_end, w.key_begin + plan.keys_per_split);
-    if (split > 0 && w.key_begin >= w.kv_end) return false;
+    const int split_begin = split * plan.keys_per_split;
+    w.key_lo = max(split_begin, window_lo);
+    w.key_begin = split_begin + (w.key_lo - split_begin) / kPrefillSplitKeyTile * kPrefillSplitKeyTile;
+    w.kv_end = min(w.kv_end, split_begin + plan.keys_per_split);
+    if (split > 0 && w.key_lo >= w.kv_end) return false;
   } else {
-    w.key_begin = 0;
+    w.key_begin = w.key_lo = window_lo;
   }
   return true;
 }
@@ -114,7 +129,8 @@ __device__ __forceinline__ void load_q_tile(T* s_q, const PagedPrefillArgs& a, c
 
 // Calls piece(n, col, offset, valid) for each 16-byte piece of keys [key0, key0 + kKeys) of this
 // kv head that this thread copies: tile row n, column col, and the piece's element offset in
-// either cache (K and V share strides; 0 past w.kv_end, whose table entries are never read).
+// either cache (K and V share strides; 0 outside [w.key_lo, w.kv_end), whose table entries are
+// never read).
 template <typename T, int D, int kKeys, int kThreads, typename Piece>
 __device__ __forceinline__ void for_each_kv_piece(int key0, const PagedPrefillArgs& a,
                                                   const Plan& plan, const Work& w, Piece piece) {
@@ -124,7 +140,7 @@ __device__ __forceinline__ void for_each_kv_piece(int key0, const PagedPrefillAr
   for (int c = threadIdx.x; c < kKeys * kChunksPerRow; c += kThreads) {
     const int n = c / kChunksPerRow, col = (c % kChunksPerRow) * kVec;
     const int key = key0 + n;
-    const bool valid = key < w.kv_end;
+    const bool valid = key < w.kv_end && key >= w.key_lo;
     int64_t offset = 0;
     if (valid) {
       const int64_t block = __ldg(table + (key >> plan.block_shift));

@@ -16,13 +16,15 @@ __global__ void __launch_bounds__(kMergeThreads) paged_prefill_merge_kernel(cons
   whole.splits = 1;
   Work w;
   if (!cta_work(a, whole, w)) return;
-  // Splits s with keys in [0, kv_end); a row before position 0 has none and gets zeros.
+  // Splits s with keys in [key_lo, kv_end) (key_lo: the sliding window's first key of the tile,
+  // else 0); a row before position 0 has none and gets zeros.
+  const int first = w.key_lo / plan.keys_per_split;
   const int active = (w.kv_end + plan.keys_per_split - 1) / plan.keys_per_split;
   for (int i = threadIdx.x; i < w.rows * (D / 4); i += kMergeThreads) {
     const int r = i / (D / 4), d = (i % (D / 4)) * 4;
     float max_all = kNegBig, sum = 0.f;
     float o[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < active; ++s) {
+    for (int s = first; s < active; ++s) {
       const SplitRow part = split_row(a, plan, w, r, s);
       const float2 st = *part.stats;
       const float4 x = *reinterpret_cast<const float4*>(part.out + d);

@@ -39,7 +39,10 @@ constexpr int smem_bytes() {
 constexpr int kCtasPerSm = 2;
 }  // namespace mma
 
-template <typename T, int D, int kM>
+// kOptions: the kernel computes a.sliding_window and a.logit_softcap; without, both are taken as
+// off and their code is compiled out (the D = 128 kernel is at its 255 registers: the options'
+// code, even unused, cost the plain kernel ~10% in the H100 A/B of its first version).
+template <typename T, int D, int kM, bool kOptions>
 __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_mma_kernel(const PagedPrefillArgs a,
                                                                          const Plan plan) {
   using namespace mma;
@@ -141,10 +144,30 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
       }
     }
 
-    // Causal mask and online softmax: element e of s[mt][n] is row g + 8 * (e / 2) of row tile
-    // mt, key 8n + 2t + e % 2. Row 0 of the CTA sees the fewest keys (up to w.pos0), so a tile
-    // ending at or before it needs no mask.
-    const bool mask = key0 + kKeys - 1 > w.pos0;
+    // The options are read from the kernel's parameters where used (no registers held across
+    // the loop: the D = 128 kernel is at its 255). A softcap caps the scaled scores and divides
+    // the scale back out, so the mask's multiply below stays as it is.
+    if (kOptions && a.logit_softcap > 0.f) {
+      const float cap2 = a.logit_softcap * kLog2e, inv_scale = 1.f / qk_scale;
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt) {
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[mt][n][e] = softcap_log2<T>(s[mt][n][e] * qk_scale, cap2) * inv_scale;
+          }
+        }
+      }
+    }
+
+    // Causal (and window) mask and online softmax: element e of s[mt][n] is row g + 8 * (e / 2)
+    // of row tile mt, key 8n + 2t + e % 2. Row 0 of the CTA sees the fewest keys (up to w.pos0),
+    // so a tile ending at or before it needs no causal mask. A row sees keys j > its position -
+    // window; the CTA's last row is at most pos0 + kRows - 1, so a tile from pos0 + kRows -
+    // window on needs no window mask (written without overflow for windows up to 2^31 - 1).
+    const int window = kOptions ? a.sliding_window : 0;
+    const bool mask = key0 + kKeys - 1 > w.pos0 || (window > 0 && w.pos0 + kRows - key0 > window);
 #pragma unroll
     for (int mt = 0; mt < kM; ++mt) {
 #pragma unroll
@@ -155,7 +178,9 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& x = s[mt][n][2 * i + e];
-            x = !mask || key0 + 8 * n + 2 * t + e <= limit[mt][i] ? x * qk_scale : -INFINITY;
+            const int key = key0 + 8 * n + 2 * t + e;
+            const bool in_window = window == 0 || limit[mt][i] - key < window;
+            x = !mask || (key <= limit[mt][i] && in_window) ? x * qk_scale : -INFINITY;
             tile_max = fmaxf(tile_max, x);
           }
         }

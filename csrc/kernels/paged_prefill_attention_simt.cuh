@@ -59,7 +59,10 @@ __global__ void __launch_bounds__(simt::kThreads, simt::ctas_per_sm<T, D>())
 paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
   using namespace simt;
   constexpr int kLd = row_stride<T, D>();
-  constexpr int kCols = D / 32;  // 4-column groups of O per thread
+  // 4-column groups of O per thread: columns cg * 4 + 32j; at head_dim 80 or 96 the last group
+  // is partial (kPartial: a thread's columns past D are skipped).
+  constexpr int kCols = (D + 31) / 32;
+  constexpr bool kPartial = D % 32 != 0;
   extern __shared__ __align__(16) unsigned char smem[];
   T* s_q = reinterpret_cast<T*>(smem);                       // [kRows][kLd]
   T* s_k = s_q + kRows * kLd;                                // [kKeys][kLd]
@@ -75,17 +78,20 @@ paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
   load_q_tile<T, D, kRows, kThreads>(s_q, a, w);
-  load_kv_tile<T, D, kKeys, kThreads>(s_k, k_cache, 0, a, plan, w);
+  load_kv_tile<T, D, kKeys, kThreads>(s_k, k_cache, w.key_begin, a, plan, w);
   cp_async_commit();  // group: Q and K tile 0
 
-  // Each row's last visible key (its position); -1 for rows past w.rows, which see nothing.
-  int limit[2];
+  // Each row's last visible key (its position; -1 for rows past w.rows, which see nothing) and
+  // first (the sliding window's; 0 without one).
+  int limit[2], first[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = rg + 32 * i;
     limit[i] = r < w.rows ? w.pos0 + r / w.heads : -1;
+    first[i] = a.sliding_window > 0 ? limit[i] - a.sliding_window + 1 : 0;
   }
   const float qk_scale = a.scale * kLog2e;
+  const float cap2 = a.logit_softcap * kLog2e;  // used only when set (a uniform branch)
   float m[2] = {kNegBig, kNegBig}, l[2] = {0.f, 0.f};  // l: this thread's share of the row sum
   float acc[2][kCols * 4];
 #pragma unroll
@@ -94,9 +100,9 @@ paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
     for (int e = 0; e < kCols * 4; ++e) acc[i][e] = 0.f;
   }
 
-  const int num_tiles = (w.kv_end + kKeys - 1) / kKeys;
+  const int num_tiles = (w.kv_end - w.key_begin + kKeys - 1) / kKeys;
   for (int kt = 0; kt < num_tiles; ++kt) {
-    const int key0 = kt * kKeys;
+    const int key0 = w.key_begin + kt * kKeys;
     load_kv_tile<T, D, kKeys, kThreads>(s_v, v_cache, key0, a, plan, w);
     cp_async_commit();
     cp_async_wait<1>();  // Q and K tile kt are in
@@ -131,7 +137,10 @@ paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
       float tile_max = -INFINITY;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        s[i][k] = key0 + cg + 8 * k <= limit[i] ? s[i][k] * qk_scale : -INFINITY;
+        const int key = key0 + cg + 8 * k;
+        float x = s[i][k] * qk_scale;
+        if (cap2 > 0.f) x = softcap_log2<T>(x, cap2);
+        s[i][k] = key <= limit[i] && key >= first[i] ? x : -INFINITY;
         tile_max = fmaxf(tile_max, s[i][k]);
       }
       const float new_max = fmaxf(m[i], lanes_max<8>(tile_max));
@@ -164,6 +173,7 @@ paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
       for (int nn = 0; nn < 4; ++nn) {
 #pragma unroll
         for (int j = 0; j < kCols; ++j) {
+          if (kPartial && cg * 4 + 32 * j >= D) continue;
           float vf[4];
           load4(s_v + (n + nn) * kLd + cg * 4 + 32 * j, vf);
 #pragma unroll
@@ -187,6 +197,7 @@ paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
     T* dst = output_row<T>(a, w, r);
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
+      if (kPartial && cg * 4 + 32 * j >= D) continue;
       Vec<T, 4> v;
 #pragma unroll
       for (int e = 0; e < 4; ++e) v.v[e] = from_float<T>(acc[i][j * 4 + e] * inv);

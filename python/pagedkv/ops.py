@@ -175,7 +175,7 @@ def paged_decode_attention(
     out: like q, or None to allocate one. workspace: from ``paged_decode_workspace`` (allocated
     here when None; pass it under CUDA graphs and torch.compile). num_splits: 0 = automatic. Returns
     out. sliding_window > 0: the last sliding_window tokens only; logit_softcap > 0: scaled scores
-    become ``cap * tanh(score / cap)`` (Gemma-2). Both CPU-only so far (CUDA refuses them).
+    become ``cap * tanh(score / cap)`` (Gemma-2). Both on the CPU and CUDA.
     """
     if out is None:
         out = torch.empty_like(q)

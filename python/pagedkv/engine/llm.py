@@ -43,7 +43,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.step_outputs import deliver, step_outputs
 from pagedkv.engine.watched import read_watched
-from pagedkv.models.registry import WINDOW_KERNEL_MISSING, attention_window, check_supported
+from pagedkv.models.registry import check_supported
 from pagedkv.runtime.model import check_unchanged, prepared
 from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted, overlap_wanted, to_device
 from pagedkv.runtime.sampler import Sampler
@@ -90,9 +90,6 @@ class LLM(BatchAPI):
         self.tp = state.tp
         self.device = state.device
         limit = state.max_positions
-        self._window = attention_window(model, self.device)  # None where the kernels compute windows
-        if self._window is not None:
-            limit = min(limit, self._window)
         sizing = cache_sizing(kv_cache_memory, num_kv_blocks, self.device)
         w = state.weights
         if self.tp is not None:
@@ -102,7 +99,7 @@ class LLM(BatchAPI):
                              block_size=block_size, device=self.device,
                              max_seq_len=min(limit, max_model_len or limit), max_batch_size=max_num_seqs,
                              max_step_tokens=max_num_batched_tokens,
-                             enable_prefix_caching=enable_prefix_caching, **sizing)
+                             enable_prefix_caching=enable_prefix_caching and state.rope is None, **sizing)
         capacity = self.cache.capacity_tokens
         if max_model_len is not None and max_model_len > min(limit, capacity):
             raise ValueError(f"pagedkv.LLM: max_model_len {max_model_len} is more than the model's limit "
@@ -176,8 +173,10 @@ class LLM(BatchAPI):
         if len(ids) >= self.max_model_len:
             raise ValueError(f"pagedkv.LLM: the prompt has {len(ids)} tokens; at most "
                              f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len}, one "
-                             "token left to generate" + (f"; the model's sliding_window {self._window} "
-                             f"caps it: {WINDOW_KERNEL_MISSING})" if self._window == self.max_model_len else ")"))
+                             "token left to generate)")
+        rope = self.runner.model.rope  # rope by length (no prefix cache): each request as HF's generate alone
+        if rope and (reason := rope.admit(len(ids), min(len(ids) + params.max_tokens, self.max_model_len))):
+            raise ValueError(f"pagedkv.LLM: {reason}")
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"pagedkv.LLM: n = {params.n} samples is more than max_num_seqs "
                              f"({self.scheduler.max_num_seqs})")
@@ -342,7 +341,8 @@ class LLM(BatchAPI):
         """Queue the forward and sampling of one step. Advances num_computed, forks n > 1
         samples once their prompt is computed."""
         decodes, prefills = sched.decodes, sched.prefills
-        decode_only = all(r.num_new == 1 for r in prefills)
+        decode_only = all(r.num_new == 1 and (self.runner.model.rope is None  # rope by length: S = position + 1
+                                              or r.seq.num_computed + 1 >= r.seq.prompt_len) for r in prefills)
         seq_ids = sched.decode_ids + [r.seq.seq_id for r in prefills] if prefills else sched.decode_ids
         query_lens = None if decode_only else [1] * len(decodes) + [r.num_new for r in prefills]
         tokens = list(sched.decode_tokens)  # a decode row feeds its last token and samples
@@ -355,7 +355,8 @@ class LLM(BatchAPI):
                 logits_rows.append(len(tokens) - 1)
                 samplers.append(r.seq)
         pending = pending_inputs(decodes, self._launched[-1]) if self._launched and decodes else None
-        logits = self.runner.run(StepInput(seq_ids, tokens, query_lens, logits_rows, pending))  # [S, V]
+        bases = None if decode_only else [s.prompt_len for s in decodes] + [r.seq.prompt_len for r in prefills]
+        logits = self.runner.run(StepInput(seq_ids, tokens, query_lens, logits_rows, pending, bases))  # [S, V]
         for seq in decodes:
             seq.num_computed += 1
         for r in prefills:

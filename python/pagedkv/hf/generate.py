@@ -18,7 +18,7 @@ from pagedkv.cache import KVCache
 from pagedkv.hf import beam_search
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument, resolve_generation
 from pagedkv.hf.processing import CallArguments, processed_decode
-from pagedkv.models.registry import WINDOW_KERNEL_MISSING, attention_window, check_supported
+from pagedkv.models.registry import check_supported
 from pagedkv.runtime.fixed_batch import FixedBatch, GenerationSettings
 from pagedkv.runtime.model import PREPARED_ATTR, device_of, prepared
 from pagedkv.runtime.prefix_reuse import weights_version
@@ -160,12 +160,6 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
         attention_mask = _inferred_mask(input_ids, settings)
         inferred_from = settings.pad_token_id
     prompts = _prompts_from_left_padded(input_ids, attention_mask, inferred_from)
-    window = attention_window(model, device_of(model))  # None where the kernels compute windows
-    longest = max(len(p) for p in prompts) + settings.max_new_tokens
-    if window is not None and longest > window:
-        raise ValueError(f"pagedkv.generate: sequences reach {longest} tokens but the model's "
-                         f"sliding_window is {window}; {WINDOW_KERNEL_MISSING}, so it runs only "
-                         f"sequences within the window there (prompt + max_new_tokens <= {window})")
     beams = settings.num_beams > 1
     n = settings.num_return_sequences
     # None: the fast path (no processor, criterion or scores asked for). Rows as HF expands them.

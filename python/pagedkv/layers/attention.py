@@ -28,6 +28,9 @@ class ForwardMetadata:
     context_lens: torch.Tensor  # [B] int32: tokens each row attends to, its new ones included
     query_start_loc: torch.Tensor | None = None  # [B + 1] int32 (mixed steps)
     max_query_len: int = 1  # host bound of one row's new tokens (mixed steps)
+    # [T] int64: each token's S for a length-dependent rope (layers/rotary.py RopeByLength);
+    # None: its position + 1 (a decode token of a sequence run alone)
+    rope_lens: torch.Tensor | None = None
 
 
 def attention_workspace(q: torch.Tensor, k_cache: torch.Tensor,
@@ -55,13 +58,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                       scale, workspace=workspace, sliding_window=sliding_window,
                                       logit_softcap=logit_softcap)
 
-
-# paged_attention's options that the CUDA kernels do not compute yet (their launchers refuse
-# them); the CPU kernels compute all. Models that need one are refused on CUDA up front
-# (models/registry.py: attention_window, and the softcap checks), never run without it.
-CUDA_LACKS = ("sliding_window", "logit_softcap")
-
-
-def computes(option: str, device: torch.device) -> bool:
-    """Whether paged_attention computes `option` ("sliding_window" or "logit_softcap") on `device`."""
-    return not (device.type == "cuda" and option in CUDA_LACKS)

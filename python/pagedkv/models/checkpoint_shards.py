@@ -74,6 +74,8 @@ class SafetensorsReader:
 
     def read(self, name: str, rows: slice = WHOLE, cols: slice | None = None) -> torch.Tensor:
         part = self._slice(name)
+        if not part.get_shape():  # a 0-dim scalar (an FP8 per-tensor scale) takes no slice
+            return part[()]
         return part[rows] if cols is None else part[rows, cols]
 
     def _slice(self, name: str):

@@ -11,8 +11,7 @@ logit scales and softcapping) through `logits_to_keep`.
 
 Slower than models/llama.py (HF's eager modules, no fused kernels, no CUDA graphs) but exact for
 what the attention function can express: causal self-attention with an optional scale, sliding
-window and score softcap (the module's, as HF passes them; on CUDA, where the kernels lack both
-yet, softcaps are refused and sequences kept within the window: registry.attention_window). What
+window and score softcap (the module's, as HF passes them; computed on the CPU and CUDA alike). What
 it cannot (attention sinks, alibi, non-causal or cross-attention, recurrent layers) is refused by
 `fallback_reason` before anything runs, and again here if a call asks.
 """
@@ -30,7 +29,7 @@ import torch
 import transformers
 from transformers.modeling_utils import AttentionInterface
 
-from pagedkv.layers.attention import ForwardMetadata, attention_workspace, computes, paged_attention
+from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 ATTN_IMPLEMENTATION = "pagedkv"  # the name registered in HF's AttentionInterface (not "paged|...")
@@ -66,10 +65,6 @@ def fallback_reason(model) -> str | None:
         return "cross-attention (an encoder-decoder model, or add_cross_attention=True)"
     if any(getattr(config, f, None) is not None for f in ("vision_config", "audio_config", "text_config")):
         return "a multimodal config (vision, audio or text sub-configs)"
-    if getattr(config, "attn_logit_softcapping", None) is not None and not computes(
-            "logit_softcap", next(model.parameters()).device):
-        return (f"attn_logit_softcapping={config.attn_logit_softcapping} (softcapped attention scores), "
-                "which pagedkv's CUDA attention does not compute yet (its CPU attention does)")
     if getattr(config, "alibi", False):
         return "alibi=True (ALiBi position biases in the attention scores)"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -156,12 +151,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         call.workspace = attention_workspace(q, k_cache, call.meta)
     scale = scaling if scaling is not None else head_dim ** -0.5
     softcap = float(kwargs.get("softcap") or 0.0)
-    if softcap and not computes("logit_softcap", q.device):
-        raise NotImplementedError(f"pagedkv's paged attention on {q.device.type} cannot apply softcap "
-                                  f"({type(module).__name__})")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or 0
-    if not computes("sliding_window", q.device):
-        window = 0  # whole contexts: the same within the window, past which generate/LLM refuse
     out = paged_attention(q, k_cache, v_cache, call.meta, float(scale), call.workspace,
                           sliding_window=int(window), logit_softcap=softcap)  # [T, Hq, Dh]
     return out.to(query.dtype)[None], None

@@ -15,10 +15,7 @@ What differs from models/llama.py, each as HF's modeling_gemma*.py computes it:
 - Gemma-3: per-head q/k norms (Gemma-style) before the rotation, sliding and full layers with their
   own rotary tables (rope_parameters per layer type); no attention softcap (HF passes none).
 
-Sliding windows and attention softcaps need the attention kernels of the model's device to
-compute them (layers/attention.py's `computes`): where they do not, a window layer runs as a full
-one (the same while sequences stay within the window, which registry.attention_window then
-enforces) and a softcapped model is refused (`gemma_reason`).
+Sliding windows and attention softcaps are computed by the attention kernels, CPU and CUDA alike.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.attention import ForwardMetadata, attention_workspace, computes, paged_attention
+from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
 from pagedkv.layers.rotary import build_cos_sin_cache
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
@@ -75,10 +72,6 @@ class GemmaWeights:
     scale: float
     attn_softcap: float  # 0: none
     final_softcap: float  # 0: none
-
-
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _activation(config) -> str | None:
@@ -130,10 +123,6 @@ def gemma_reason(model, head_dims: tuple[int, ...]) -> str | None:
         return f"layer_types {sorted(unknown)} are not supported; supported: {', '.join(LAYER_TYPES)}"
     if getattr(config, "use_bidirectional_attention", False):
         return "use_bidirectional_attention=True is not supported (pagedkv's attention is causal)"
-    device = _device(model)
-    if _attention_softcap(config) and not computes("logit_softcap", device):
-        return (f"attn_logit_softcapping={config.attn_logit_softcapping} is not supported on {device.type} "
-                "yet (its attention kernels do not softcap); supported there: None")
     return _module_reason(model)
 
 
@@ -153,7 +142,6 @@ def extract_gemma_weights(model) -> GemmaWeights:
     Gemma/Gemma-2/Gemma-3 *ForCausalLM. Call outside inference mode."""
     config, inner = model.config, model.model
     layer_types, kinds = _layer_types(config), _rope_kinds(config)
-    windows = computes("sliding_window", _device(model))  # else layers run whole (see the top)
     layers = []
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -171,7 +159,7 @@ def extract_gemma_weights(model) -> GemmaWeights:
             pre_ff_norm=None if pre_ff is None else pre_ff.weight.detach(),
             post_ff_norm=None if post_ff is None else post_ff.weight.detach(),
             gate_up=gate_up, down=mlp.down_proj.weight.detach(),
-            window=int(config.sliding_window) if sliding and windows and config.sliding_window else 0,
+            window=int(config.sliding_window) if sliding and config.sliding_window else 0,
             rope=kinds.index(layer_types[i]) if len(kinds) > 1 else 0,
         ))
     embed = inner.embed_tokens.weight.detach()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.attention import ForwardMetadata, attention_workspace, computes, paged_attention
+from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
 from pagedkv.layers.moe import MoEWeights, moe_mlp, moe_weights
 from pagedkv.models.windows import layer_windows
 from pagedkv.quant.dispatch import LinearWeight, apply_gate_up_silu, apply_linear
@@ -30,7 +30,7 @@ from pagedkv.quant.dispatch import LinearWeight, apply_gate_up_silu, apply_linea
 @dataclasses.dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
-    # The linears: dense tensors, or an int4 checkpoint's W4A16 weights (quant/dispatch.py)
+    # The linears: dense tensors, or a quantized checkpoint's packed weights (quant/dispatch.py)
     qkv: LinearWeight  # [(Hq + 2 * Hkv) * Dh, D]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 * Hkv) * Dh] (Qwen2)
     q_norm: torch.Tensor | None  # [Dh] (Qwen3)
@@ -133,19 +133,18 @@ def extract_weights(model) -> DecoderWeights:
 class PagedDecoder:
     """The forward of one Llama-family model over the paged cache. Holds no per-step state."""
 
-    def __init__(self, weights: DecoderWeights, cos_sin_cache: torch.Tensor,
-                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], tp=None):
+    def __init__(self, weights: DecoderWeights, cos_sin_cache: torch.Tensor | None,
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], tp=None, rope=None):
         self.w = weights
         self.cos_sin_cache = cos_sin_cache  # [max_position, Dh] fp32: cos | sin halves
+        # layers/rotary.py RopeByLength (rope "dynamic"/"longrope", cos_sin_cache None): each
+        # step's cos/sin rows computed from its tokens' positions and S (meta.rope_lens)
+        self.rope = rope
         self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
         self.v_caches = v_caches
         # pagedkv.runtime.parallel.TensorParallel when `weights` are one rank's shard: the O and down
         # products are partial sums (all-reduced) and the logits one vocabulary slice (gathered).
         self.tp = tp
-        # The layers' windows where the kernels compute them; else 0 (whole contexts, which equal
-        # HF's windows only within them: registry.attention_window refuses longer sequences there).
-        windowed = computes("sliding_window", k_caches[0].device)
-        self.windows = [w if windowed else 0 for w in weights.windows]
 
     def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
         """residual += hidden (summed over the ranks first when hidden is a rank's partial O or
@@ -171,18 +170,23 @@ class PagedDecoder:
         if w.embedding_multiplier != 1.0:  # Granite
             residual.mul_(w.embedding_multiplier)
         hidden = ops.rms_norm(residual, w.layers[0].input_norm, w.eps)
+        rope_rows, table = meta.positions, self.cos_sin_cache
+        if self.rope is not None:  # this step's own table [T, rot_dim]: token t reads row t
+            lens = meta.positions.long() + 1 if meta.rope_lens is None else meta.rope_lens
+            table = self.rope.cos_sin(meta.positions, lens)
+            rope_rows = torch.arange(num_tokens, dtype=torch.int32, device=input_ids.device)
         for i, layer in enumerate(w.layers):
             qkv = apply_linear(hidden, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
             q = qkv[:, :q_size].view(num_tokens, w.num_heads, w.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, w.num_kv_heads, w.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, w.num_kv_heads, w.head_dim)
-            ops.rope_and_write_kv(q, k, v, meta.positions, self.cos_sin_cache, self.k_caches[i],
+            ops.rope_and_write_kv(q, k, v, rope_rows, table, self.k_caches[i],
                                   self.v_caches[i], meta.slot_mapping, q_norm_weight=layer.q_norm,
                                   k_norm_weight=layer.k_norm, epsilon=w.eps)
             if i == 0:
                 workspace = attention_workspace(q, self.k_caches[0], meta)
             attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale, workspace,
-                                   sliding_window=self.windows[i])  # [T, Hq, Dh]
+                                   sliding_window=w.windows[i])  # [T, Hq, Dh]
             hidden = apply_linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias)
             self._add_norm(hidden, residual, layer.post_norm)
             if layer.moe is not None:

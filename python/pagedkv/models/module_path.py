@@ -8,6 +8,7 @@ every generate() call, and nn.Module.__getattr__ is slow.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 # (dotted name, the module there or None, the exact class it must be or None: a transformers module)
@@ -49,6 +50,11 @@ def path_reason(path: list[PathEntry], model_type: str) -> str | None:
         kind = type(module)
         if module is None:
             return f"{name} is missing: pagedkv runs {model_type} from its modules' weights"
+        if cls is not None and kind is not cls and _quantized(module):
+            return (f"{name} is a {kind.__name__} from {kind.__module__}, a quantized layer (the model was loaded "
+                    "quantized): pagedkv reads quantized weights from the checkpoint itself: "
+                    "pagedkv.from_pretrained_quantized(folder), with a folder model.save_pretrained(folder) "
+                    "wrote (or the quantized checkpoint it was loaded from)")
         if cls is not None and kind is not cls:
             return (f"{name} is a {kind.__name__}, not a torch.nn.{cls.__name__}: pagedkv runs its "
                     "own forward from the weights and would leave out what the module adds "
@@ -57,3 +63,10 @@ def path_reason(path: list[PathEntry], model_type: str) -> str | None:
             return (f"{name} is a {kind.__name__} from {kind.__module__}, not the model's own "
                     "transformers module: pagedkv runs its own forward and would leave it out")
     return None
+
+
+def _quantized(module: nn.Module) -> bool:
+    """Whether a module holds its weight quantized: a tensor of one byte an element (int8, uint8,
+    FP8: bitsandbytes, FineGrainedFP8, compressed-tensors) or of packed int32 words (AWQ, GPTQ)."""
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(t.element_size() == 1 or t.dtype == torch.int32 for t in tensors)

@@ -1,17 +1,22 @@
-"""AWQ and GPTQ checkpoints (int4 weight-only) read into the Llama-family decoder's weights, each
-linear of the decoder layers in pagedkv's W4A16 layout: read once from its packed tensors
-(qweight, qzeros, scales[, g_idx]) and repacked (quant.pack_w4a16), never dequantized. The
-embedding, norms, biases and LM head (unquantized in these checkpoints) are cast to the
-activations' dtype; so is a linear a checkpoint left unquantized (modules_to_not_convert).
+"""Quantized checkpoints read into the Llama-family decoder's weights, each linear of the decoder
+layers read once from its stored tensors into its kernel's layout, never dequantized:
 
-    config.json "quantization_config":
-        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}
-        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": true, "sym": true,
-         "checkpoint_format": "gptq"}   # "gptq_v2": zeros stored as they are, not zero - 1
+    int4 (W4A16)  AWQ, GPTQ (qweight, qzeros, scales[, g_idx]); compressed-tensors pack-quantized
+                  (weight_packed, weight_scale, weight_shape) -> quant.pack_w4a16
+    FP8           FineGrainedFP8 (weight, weight_scale_inv); compressed-tensors float-quantized
+                  (weight, weight_scale) -> quant.Fp8Weight as stored
+    NF4           bitsandbytes (weight, weight.absmax, weight.quant_map, [weight.nested_*],
+                  weight.quant_state.bitsandbytes__nf4) -> quant.pack_nf4
 
-QKV and gate/up are packed as one weight each when their parts allow it (the same group size
-and, with desc_act, the same column order: GPTQ sorts q, k, v by the same input's statistics);
-else they stay parts side by side (quant/dispatch.py).
+The config's quantization_config is checked by quant/formats.py. The embedding, norms, biases
+and LM head (unquantized in these checkpoints) are cast to the activations' dtype; so is a
+linear a checkpoint left unquantized (modules_to_not_convert, ignore, llm_int8_skip_modules):
+one without its format's quantized tensors.
+
+QKV and gate/up are one weight each when their parts allow it (int4: the same group size and,
+with desc_act, the same column order, as GPTQ sorts q, k, v by the same input's statistics;
+FP8: the same scale columns and no scale block across two parts; NF4: the same blocks); else
+they stay parts side by side (quant/dispatch.py).
 """
 
 from __future__ import annotations
@@ -23,54 +28,19 @@ import torch
 from pagedkv.models.llama import DecoderWeights, LayerWeights
 from pagedkv.models.windows import layer_windows
 from pagedkv.quant.dispatch import LinearWeight
-from pagedkv.quant.int4 import Int4Weight, from_awq, from_gptq
-from pagedkv.quant.linear import W4A16Weight, pack_w4a16
+from pagedkv.quant.formats import QuantFormat, quant_format
+from pagedkv.quant.fp8 import Fp8Weight, from_compressed_tensors_fp8, from_finegrained_fp8
+from pagedkv.quant.int4 import Int4Weight, from_awq, from_compressed_tensors_int4, from_gptq
+from pagedkv.quant.linear import pack_w4a16
+from pagedkv.quant.linear_nf4 import pack_nf4
+from pagedkv.quant.nf4 import Nf4Weight, from_bnb_nf4
 
-QUANT_METHODS = ("awq", "gptq")
-AWQ_VERSIONS = ("gemm",)  # AutoAWQ's GEMM packing (quant/int4.py); GEMV and Marlin pack otherwise
-AWQ_BACKENDS = ("autoawq",)  # llm-awq's checkpoints pack another way
-GPTQ_ZERO_OFFSET = {"gptq": True, "gptq_v2": False}  # checkpoint_format -> zeros stored as zero - 1
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class QuantFormat:
-    method: str  # "awq" or "gptq"
-    group_size: int  # -1: one group over all input columns
-    zero_offset: bool  # GPTQ's historical format: zeros stored as zero - 1
-
-
-def quant_format(quant_config) -> QuantFormat:
-    """A config's quantization_config (a dict, or HF's config object) checked: ValueError naming
-    the field, its value and what is allowed."""
-    if not quant_config:
-        raise ValueError("the checkpoint's config.json has no quantization_config; an unquantized "
-                         "checkpoint loads with transformers' from_pretrained (then pagedkv.generate)")
-    q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
-
-    def refuse(field: str, allowed: str) -> ValueError:
-        return ValueError(f"quantization_config.{field}={q.get(field)!r} is not supported; supported: {allowed}")
-
-    method = str(q.get("quant_method", "")).lower()
-    if method not in QUANT_METHODS:
-        raise refuse("quant_method", "'awq', 'gptq' (4-bit, int4 weight-only)")
-    if q.get("bits") != 4:
-        raise refuse("bits", "4")
-    group_size = q.get("group_size")
-    if not isinstance(group_size, int) or not (group_size == -1 or (group_size > 0 and group_size % 32 == 0)):
-        raise refuse("group_size", "-1 or a multiple of 32 (pagedkv's int4 kernel reads groups of 32 columns)")
-    if method == "awq":
-        if str(q.get("version", "gemm")).lower() not in AWQ_VERSIONS:
-            raise refuse("version", "'gemm'")
-        if q.get("backend") not in (None,) + AWQ_BACKENDS:
-            raise refuse("backend", "'autoawq'")
-        if not q.get("zero_point", True):
-            raise refuse("zero_point", "true")
-        return QuantFormat("awq", group_size, False)
-    if str(q.get("checkpoint_format", "gptq")).lower() not in GPTQ_ZERO_OFFSET:
-        raise refuse("checkpoint_format", "'gptq', 'gptq_v2'")
-    if q.get("lm_head", False):
-        raise refuse("lm_head", "false (pagedkv runs the LM head in the activations' dtype)")
-    return QuantFormat("gptq", group_size, GPTQ_ZERO_OFFSET[str(q.get("checkpoint_format", "gptq")).lower()])
+__all__ = ["QuantFormat", "quant_format", "read_quantized"]
+# The tensor that marks a linear as quantized in each format (absent: left unquantized, dense)
+MARKERS = {"awq": "qweight", "gptq": "qweight", "compressed-tensors w4a16": "weight_packed",
+           "fp8": "weight_scale_inv", "compressed-tensors fp8": "weight_scale",
+           "bitsandbytes nf4": "weight.quant_state.bitsandbytes__nf4"}
+Quantized = Int4Weight | Fp8Weight | Nf4Weight
 
 
 def read_quantized(model, reader, fmt: QuantFormat, device: torch.device, dtype: torch.dtype) -> DecoderWeights:
@@ -91,31 +61,29 @@ def read_quantized(model, reader, fmt: QuantFormat, device: torch.device, dtype:
                              f"the config makes it {list(param.shape)}")
         return reader.read(name).to(device=device, dtype=dtype).contiguous()
 
-    def linear(prefix: str) -> Int4Weight | torch.Tensor:
-        if f"{prefix}.qweight" not in reader.files:  # left unquantized (modules_to_not_convert)
+    def linear(prefix: str) -> Quantized | torch.Tensor:
+        marker = f"{prefix}.{MARKERS[fmt.name]}"
+        if marker not in reader.files:  # left unquantized
             return dense(f"{prefix}.weight")
-        read = {part: reader.read(f"{prefix}.{part}") for part in ("qweight", "qzeros", "scales")}
         try:
-            if fmt.method == "awq":
-                w = from_awq(**read, group_size=fmt.group_size)
-            else:
-                g_idx = reader.read(f"{prefix}.g_idx") if f"{prefix}.g_idx" in reader.files else None
-                w = from_gptq(**read, g_idx=g_idx, group_size=fmt.group_size, zero_offset=fmt.zero_offset)
+            w = _read_linear(reader, prefix, fmt)
         except ValueError as error:
-            raise ValueError(f"pagedkv: {prefix} in {reader.where(prefix + '.qweight')}: {error}") from None
+            raise ValueError(f"pagedkv: {prefix} in {reader.where(marker)}: {error}") from None
         want = tuple(params[f"{prefix}.weight"].shape)
-        if tuple(w.q.shape) != want:
-            raise ValueError(f"pagedkv: {prefix}'s packed tensors hold a [{w.q.shape[0]}, {w.q.shape[1]}] "
-                             f"weight; the config makes it {list(want)}")
+        got = tuple((w.weight if isinstance(w, Fp8Weight) else w.q).shape)
+        if got != want:
+            raise ValueError(f"pagedkv: {prefix}'s quantized tensors hold a [{got[0]}, {got[1]}] weight; the "
+                             f"config makes it {list(want)}")
         return w
 
     def fused(prefixes: list[str]) -> LinearWeight:
         parts = [linear(p) for p in prefixes]
         if all(isinstance(p, torch.Tensor) for p in parts):
             return parts[0] if len(parts) == 1 else torch.cat(parts)
-        if all(isinstance(p, Int4Weight) for p in parts) and _same_columns(parts):
-            return _to(pack_w4a16(_stack(parts)), device)
-        return tuple(_to(pack_w4a16(p), device) if isinstance(p, Int4Weight) else p for p in parts)
+        one = _stack(parts)
+        if one is not None:
+            return _kernel_layout(one, device)
+        return tuple(p if isinstance(p, torch.Tensor) else _kernel_layout(p, device) for p in parts)
 
     def bias(prefixes: list[str]) -> torch.Tensor | None:
         found = [dense(f"{p}.bias") for p in prefixes]
@@ -143,24 +111,70 @@ def read_quantized(model, reader, fmt: QuantFormat, device: torch.device, dtype:
     )
 
 
-def _same_columns(parts: list[Int4Weight]) -> bool:
-    """Whether the parts can be one packed weight: the same groups over the same column order."""
+def _read_linear(reader, prefix: str, fmt: QuantFormat) -> Quantized:
+    """One linear's stored tensors through its format's reader (quant/) -> its canonical form."""
+    def read(*names: str) -> dict[str, torch.Tensor]:
+        return {name: reader.read(f"{prefix}.{name}") for name in names}
+
+    if fmt.name == "awq":
+        return from_awq(**read("qweight", "qzeros", "scales"), group_size=fmt.group_size)
+    if fmt.name == "gptq":
+        g_idx = reader.read(f"{prefix}.g_idx") if f"{prefix}.g_idx" in reader.files else None
+        return from_gptq(**read("qweight", "qzeros", "scales"), g_idx=g_idx, group_size=fmt.group_size,
+                         zero_offset=fmt.zero_offset)
+    if fmt.name == "compressed-tensors w4a16":
+        for extra in ("weight_zero_point", "weight_g_idx"):
+            if f"{prefix}.{extra}" in reader.files:
+                raise ValueError(f"{extra} is stored (an asymmetric or group-act-order layer); supported: "
+                                 "symmetric layers without weight_zero_point or weight_g_idx")
+        return from_compressed_tensors_int4(**read("weight_packed", "weight_scale", "weight_shape"),
+                                            group_size=fmt.group_size)
+    if fmt.name == "fp8":
+        return from_finegrained_fp8(**read("weight", "weight_scale_inv"), block_size=fmt.block)
+    if fmt.name == "compressed-tensors fp8":
+        return from_compressed_tensors_fp8(**read("weight", "weight_scale"), block_size=fmt.block)
+    state = {name: reader.read(name) for name in reader.files if name.startswith(f"{prefix}.weight.")}
+    return from_bnb_nf4(reader.read(f"{prefix}.weight"), state)
+
+
+def _stack(parts: list) -> Quantized | None:
+    """Parts of one fused layer (QKV, gate/up) as one weight, their output rows in order, or None
+    where they cannot share one: a part left dense, other groups or column orders (int4),
+    other scale columns or a scale block across two parts (FP8), other blocks (NF4)."""
     first = parts[0]
-    for p in parts[1:]:
-        if p.group_size != first.group_size or p.scales.dtype != first.scales.dtype:
-            return False
-        if (p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm)):
-            return False
-    return True
+    if len(parts) == 1:
+        return first
+    if not all(type(p) is type(first) for p in parts):
+        return None
+    if isinstance(first, Int4Weight):
+        for p in parts[1:]:
+            if p.group_size != first.group_size or p.scales.dtype != first.scales.dtype:
+                return None
+            if (p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm)):
+                return None
+        return Int4Weight(q=torch.cat([p.q for p in parts]), scales=torch.cat([p.scales for p in parts]),
+                          zeros=torch.cat([p.zeros for p in parts]), group_size=first.group_size, perm=first.perm)
+    if isinstance(first, Fp8Weight):
+        parts = [_per_row(p) if p.block == tuple(p.weight.shape) else p for p in parts]  # per tensor: exact
+        block = parts[0].block
+        if any(p.block != block for p in parts) or any(p.weight.shape[0] % block[0] for p in parts[:-1]):
+            return None
+        return Fp8Weight(weight=torch.cat([p.weight for p in parts]), scales=torch.cat([p.scales for p in parts]),
+                         block=block)
+    if any(p.block_size != first.block_size or not torch.equal(p.code, first.code) for p in parts[1:]):
+        return None
+    return Nf4Weight(q=torch.cat([p.q for p in parts]), absmax=torch.cat([p.absmax for p in parts]),
+                     code=first.code, block_size=first.block_size)
 
 
-def _stack(parts: list[Int4Weight]) -> Int4Weight:
-    """Parts with the same columns (_same_columns) as one weight, their output rows in order."""
-    return Int4Weight(q=torch.cat([p.q for p in parts]), scales=torch.cat([p.scales for p in parts]),
-                      zeros=torch.cat([p.zeros for p in parts]), group_size=parts[0].group_size,
-                      perm=parts[0].perm)
+def _per_row(w: Fp8Weight) -> Fp8Weight:
+    """A per-tensor FP8 weight with its one scale repeated per output row (the same W)."""
+    return Fp8Weight(weight=w.weight, scales=w.scales.expand(w.weight.shape[0], 1).contiguous(),
+                     block=(1, w.weight.shape[1]))
 
 
-def _to(w: W4A16Weight, device: torch.device) -> W4A16Weight:
-    return W4A16Weight(packed=w.packed.to(device), scales=w.scales.to(device), zeros=w.zeros.to(device),
-                       group_size=w.group_size, perm=None if w.perm is None else w.perm.to(device))
+def _kernel_layout(w: Quantized, device: torch.device) -> LinearWeight:
+    """A canonical form repacked for its linear op (quant/dispatch.py), moved to `device`."""
+    packed = pack_w4a16(w) if isinstance(w, Int4Weight) else pack_nf4(w) if isinstance(w, Nf4Weight) else w
+    moved = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed)}
+    return type(packed)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})

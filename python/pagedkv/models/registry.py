@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import torch
 from torch import nn
 
-from pagedkv.layers.attention import computes
-from pagedkv.layers.rotary import rope_type
+from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, rope_type
 from pagedkv.models.fallback import fallback_reason
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, gemma_reason
 from pagedkv.models.module_path import ATTENTION_LINEARS, MLP_LINEARS, PathEntry, outer_path, path_reason
@@ -53,22 +51,19 @@ OTHER_DECODERS = {
 FALLBACK_MODEL_TYPES = ("apertus", "arcee", "codegen", "cohere", "ernie4_5", "exaone4",
                         "glm", "gpt_bigcode", "gpt_neox", "gptj", "granitemoe",
                         "helium", "hunyuan_v1_dense", "jais2", "nemotron", "olmo", "olmo3",
-                        "opt", "persimmon", "phi", "smollm3", "stablelm", "starcoder2")
-# Native decoders whose CUDA kernels were written without a GPU at hand (Gemma's (1 + w) RMSNorm
-# and GELU-tanh, the MoE expert kernels) and have not passed their CUDA tests yet. On a CUDA device
-# these types run on the fallback path (HF's modules over the paged cache, whose CUDA tests
-# passed on an H100 for them), or are refused where it cannot run them, rather than run kernels no
-# GPU has checked. UNTESTED_CUDA_ENV=1 runs them natively: the CUDA tests of tests/test_gemma.py and
-# tests/test_moe.py set it. Emptied once those tests pass on a GPU.
-CUDA_UNTESTED_NATIVE = GEMMA_MODEL_TYPES + MOE_MODEL_TYPES
-FALLBACK_WHILE_CUDA_UNTESTED = ("gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe")
-UNTESTED_CUDA_ENV = "PAGEDKV_UNTESTED_CUDA_KERNELS"
+                        "opt", "persimmon", "phi", "smollm3", "stablelm", "starcoder2",
+                        # MoE and window types of transformers 5.x (some absent from older ones)
+                        "afmoe", "biogpt", "bitnet", "cohere2", "cohere2_moe", "ernie4_5_moe",
+                        "exaone", "exaone_moe", "flex_olmo", "glm4", "glm4_moe", "granitemoeshared",
+                        "hunyuan_v1_moe", "mellum", "minimax_m2", "nanochat", "olmoe", "phimoe",
+                        "solar_open", "vaultgemma")
 SupportPath = Literal["native", "fallback"]
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rotary variants whose cos/sin depend only on the position (built once, up front); "dynamic"
-# and "longrope" change with the running sequence length, which a precomputed table cannot follow.
+# and "longrope" change with the running sequence length, which a precomputed table cannot follow:
+# the Llama family's decoder computes them per step (layers/rotary.py RopeByLength), the others refuse.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # what the attention kernels are instantiated for
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)  # what the attention kernels are instantiated for
 PREPARED_ATTR = "_pagedkv_model"  # the attribute of the HF model that holds its PreparedModel (runtime/model.py)
 
 
@@ -84,11 +79,6 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type in FALLBACK_MODEL_TYPES:
         return _fallback_path_reason(model, placement)
-    if model_type in CUDA_UNTESTED_NATIVE and _cuda_kernels_untested(model):
-        if model_type in FALLBACK_WHILE_CUDA_UNTESTED:
-            return _fallback_path_reason(model, placement)
-        return (f"model_type {model_type!r} runs natively on the CPU only for now: its CUDA kernels "
-                "(mixture of experts) have not passed their GPU tests yet, and it has no fallback path")
     if model_type in GEMMA_MODEL_TYPES:  # models/gemma.py
         return gemma_reason(model, SUPPORTED_HEAD_DIMS) or _placement_reason(model, placement)
     if model_type in OLMO2_MODEL_TYPES:  # models/olmo2.py
@@ -107,8 +97,9 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return f"pretraining_tp={config.pretraining_tp} is not supported; supported: 1"
     rope = rope_type(config)
-    if rope not in SUPPORTED_ROPE_TYPES:
-        return f"rope type {rope!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    if rope not in SUPPORTED_ROPE_TYPES + LENGTH_DEPENDENT_ROPE_TYPES:  # the latter: models/llama.py's rope
+        return (f"rope type {rope!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES + LENGTH_DEPENDENT_ROPE_TYPES)}")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return (f"head_dim {head_dim} is not supported; supported: "
@@ -116,8 +107,7 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     reason = _module_reason(model)
     if reason is not None:
         return reason
-    # Sliding layers run with their window (models/windows.py says whose), or, where the kernels
-    # lack windows (CUDA), as full ones within it (attention_window).
+    # Sliding layers run with their window (models/windows.py says whose), CPU and CUDA alike.
     layer_types = set(getattr(config, "layer_types", None) or [])
     allowed = {"full_attention", "sliding_attention"} if any(layer_windows(config)) else {"full_attention"}
     if layer_types - allowed:
@@ -146,8 +136,9 @@ def _placement_reason(model, placement: bool) -> str | None:
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
         return (f"parameter dtypes {sorted(map(str, dtypes))} are not supported; supported: one of "
-                f"{', '.join(map(str, SUPPORTED_DTYPES))} for all parameters (quantized models are not; "
-                "AWQ/GPTQ int4 checkpoints load with pagedkv.from_pretrained_quantized)")
+                f"{', '.join(map(str, SUPPORTED_DTYPES))} for all parameters (a model loaded quantized is not; "
+                "quantized checkpoints (AWQ, GPTQ, compressed-tensors, FP8, bitsandbytes NF4) load with "
+                "pagedkv.from_pretrained_quantized)")
     if not placement:
         return None
     devices = {p.device for p in params}
@@ -157,9 +148,7 @@ def _placement_reason(model, placement: bool) -> str | None:
     if device.type == "meta":
         # Runs only as the skeleton of a tensor-parallel shard or a quantized checkpoint pagedkv read.
         state = getattr(model, PREPARED_ATTR, None)
-        if getattr(state, "quant", None) is not None:
-            return quantized_cuda_reason(state.quant, state.device)
-        if getattr(state, "tp", None) is None:
+        if getattr(state, "quant", None) is None and getattr(state, "tp", None) is None:
             return ("the model is on the meta device: it holds no weights (load them, or read a "
                     "checkpoint's shards with pagedkv.tensor_parallel_from_pretrained)")
     elif device.type not in ("cpu", "cuda"):
@@ -215,18 +204,7 @@ def support_path(model) -> SupportPath | None:
     models/fallback.py: eager, one device), or None (it cannot: `unsupported_reason`)."""
     if unsupported_reason(model) is not None:
         return None
-    model_type = model.config.model_type
-    if model_type in FALLBACK_MODEL_TYPES or (model_type in CUDA_UNTESTED_NATIVE and _cuda_kernels_untested(model)):
-        return "fallback"
-    return "native"
-
-
-def _cuda_kernels_untested(model) -> bool:
-    """Whether `model` (a CUDA_UNTESTED_NATIVE type) is on a CUDA device without UNTESTED_CUDA_ENV."""
-    if os.environ.get(UNTESTED_CUDA_ENV) == "1":
-        return False
-    param = next(model.parameters(), None)
-    return param is not None and param.device.type == "cuda"
+    return "fallback" if model.config.model_type in FALLBACK_MODEL_TYPES else "native"
 
 
 def check_supported(model, placement: bool = True) -> None:
@@ -234,30 +212,3 @@ def check_supported(model, placement: bool = True) -> None:
     if reason is not None:
         raise UnsupportedModel(f"pagedkv cannot run {type(model).__name__}: {reason}")
 
-
-def attention_window(model, device: torch.device | None = None) -> int | None:
-    """The longest sequence pagedkv runs `model` at on `device` (default: where its parameters
-    are) when its sliding window caps it, else None. Where the attention kernels compute windows
-    (the CPU) every layer gets its own and sequences run past it: None. Where they do not yet
-    (CUDA) the window layers attend to whole contexts, which equals HF's windows only within
-    them: the model's sliding_window, past which generate() and LLM refuse (WINDOW_KERNEL_MISSING)."""
-    device = next(model.parameters()).device if device is None else device
-    window = getattr(model.config, "sliding_window", None)
-    if not window or computes("sliding_window", device):
-        return None
-    return int(window)
-
-
-WINDOW_KERNEL_MISSING = ("pagedkv's CUDA attention has no sliding-window kernel yet: on CUDA the window "
-                         "layers attend to whole contexts, which equals HF's window only within it (on "
-                         "the CPU sequences run past the window)")
-
-
-def quantized_cuda_reason(method: str, device: torch.device) -> str | None:
-    """Why an int4 checkpoint (AWQ, GPTQ) cannot run on `device`, or None: on CUDA its kernel
-    (linear_w4a16) was written without a GPU at hand and has not passed its CUDA tests yet
-    (as CUDA_UNTESTED_NATIVE's kernels); UNTESTED_CUDA_ENV=1 runs it anyway."""
-    if torch.device(device).type != "cuda" or os.environ.get(UNTESTED_CUDA_ENV) == "1":
-        return None
-    return (f"{method.upper()} checkpoints run on the CPU only for now: its INT4 CUDA kernel has not passed "
-            f"its GPU tests yet (set {UNTESTED_CUDA_ENV}=1 to run it untested)")

@@ -1,4 +1,4 @@
-"""Int4 weight-only checkpoints (AWQ, GPTQ) read into one canonical form.
+"""Int4 weight-only checkpoints (AWQ, GPTQ, compressed-tensors W4A16) read into one canonical form.
 
 Every format stores 4-bit integers q, a scale and a zero point per group of input columns, and
 dequantizes ``w = (q - zero) * scale``; they differ only in how the bits are laid out:
@@ -10,6 +10,9 @@ dequantizes ``w = (q - zero) * scale``; they differ only in how the bits are lai
                 zero - 1 in the historical format (checkpoint_format "gptq"; "gptq_v2" stores
                 the zero); scales [in/g, out]; g_idx [in]: the group of each input row
                 (desc_act / act order: groups are not runs of consecutive rows)
+    compressed-tensors "pack-quantized", symmetric: weight_packed [out, in/8] int32, 8 input
+                columns a word, column 8w+e in bits 4e..4e+3, stored as q + 8; weight_scale
+                [out, in/g]; no zero point (dequantized as (stored - 8) * scale)
 
 The canonical form (Int4Weight) is output-major, one row per output column as a linear layer's
 weight: q [out, in] uint8, scales and zeros [out, in/g]. A desc_act layer's input columns are
@@ -138,3 +141,25 @@ def _act_order(g_idx: torch.Tensor | None, in_features: int, g: int) -> torch.Te
     if not torch.equal(g_idx.long()[perm], consecutive):
         raise ValueError(f"g_idx must give each of the {in_features // g} groups exactly {g} input rows")
     return perm
+
+
+def from_compressed_tensors_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                                 weight_shape: torch.Tensor, group_size: int) -> Int4Weight:
+    """A compressed-tensors "pack-quantized" 4-bit symmetric layer's tensors as stored -> Int4Weight.
+
+    weight_packed [out, in/8] int32: column 8w + e of a row in bits 4e..4e+3 of word w, each value
+    stored as q + 8 (q in -8..7); weight_scale [out, in/g] float16/bfloat16 (strategy
+    "group"; [out, 1] for "channel", group_size -1); weight_shape [2] int: [out, in]. The
+    format dequantizes w = q * scale, which is (stored - 8) * scale: a zero of 8 in every group.
+    """
+    if weight_shape.numel() != 2:
+        raise ValueError(f"weight_shape must hold [out, in], got {weight_shape.tolist()}")
+    out_features, in_features = (int(d) for d in weight_shape.tolist())
+    if in_features % 8:
+        raise ValueError(f"in_features {in_features} must be a multiple of 8 (no padded words)")
+    g = _group_size(group_size, in_features)
+    _check("weight_packed", weight_packed, (out_features, in_features // 8), (torch.int32,))
+    _check("weight_scale", weight_scale, (out_features, in_features // g), (torch.float16, torch.bfloat16))
+    q = _unpack(weight_packed).flatten(-2)  # [out, in]: word w's nibble e is column 8w + e
+    zeros = torch.full((out_features, in_features // g), 8, dtype=torch.uint8, device=q.device)
+    return Int4Weight(q=q.contiguous(), scales=weight_scale.contiguous(), zeros=zeros, group_size=g, perm=None)

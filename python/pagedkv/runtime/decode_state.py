@@ -30,12 +30,19 @@ class DecodeState:
     generated: torch.Tensor  # [B] int32: tokens generated so far (min_new_tokens)
     seen: torch.Tensor | None  # [B, V] bool: tokens in the row so far (repetition penalty)
     block_size: int
+    # A length-dependent rope (layers/rotary.py): a token's S is max(position + 1 + offset, base),
+    # offset = how far the row trails the batch's longest prompt (HF's S spans the left-padded batch)
+    rope_offsets: torch.Tensor | None = None  # [B] int64
+    rope_bases: torch.Tensor | None = None  # [B] int64
 
     @classmethod
     def allocate(cls, batch: int, max_blocks: int, vocab: int | None, block_size: int,
-                 device: torch.device) -> "DecodeState":
+                 device: torch.device, rope: bool = False) -> "DecodeState":
         i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
         return cls(
+            rope_offsets=torch.zeros(batch, **i64) if rope else None,
+            rope_bases=torch.zeros(batch, **i64) if rope else None,
             tokens=torch.zeros(batch, dtype=torch.int64, device=device),
             positions=torch.zeros(batch, **i32), context_lens=torch.zeros(batch, **i32),
             slot_mapping=torch.full((batch,), -1, **i32),
@@ -45,10 +52,15 @@ class DecodeState:
             block_size=block_size,
         )
 
-    def start(self, prompt_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+    def start(self, prompt_lens: torch.Tensor, block_tables: torch.Tensor, rope_base: int = 0) -> None:
         """Rows at their prompts' last tokens, as the prefill left them: the first advance moves
         them to the first generated token. prompt_lens: [batch] int32; block_tables: [batch,
-        <= max_blocks] int32, each row's blocks with the generation's reserved ones (host)."""
+        <= max_blocks] int32, each row's blocks with the generation's reserved ones (host);
+        rope_base: the call's base S (length-dependent rope: RopeByLength.call_base)."""
+        if self.rope_offsets is not None:
+            self.rope_offsets.zero_()
+            self.rope_offsets[:prompt_lens.shape[0]].copy_(prompt_lens.max() - prompt_lens)
+            self.rope_bases.fill_(rope_base)
         batch = prompt_lens.shape[0]
         self.block_tables.zero_()
         self.block_tables[:batch, :block_tables.shape[1]].copy_(block_tables)
@@ -59,8 +71,12 @@ class DecodeState:
         self.generated.zero_()
 
     def metadata(self) -> ForwardMetadata:
+        lens = None
+        if self.rope_offsets is not None:  # on the device: a captured step computes it each replay
+            lens = torch.maximum(self.positions.long() + 1 + self.rope_offsets, self.rope_bases)
         return ForwardMetadata(positions=self.positions, slot_mapping=self.slot_mapping,
-                               block_tables=self.block_tables, context_lens=self.context_lens)
+                               block_tables=self.block_tables, context_lens=self.context_lens,
+                               rope_lens=lens)
 
     def advance(self, next_tokens: torch.Tensor, offsets: torch.Tensor) -> None:
         """After a step sampled next_tokens [B]: feed them, one position further, and one RNG

@@ -18,6 +18,7 @@ import torch
 from torch.profiler import record_function
 
 from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, free_memory_bytes
+from pagedkv.layers.rotary import crossing_reason
 from pagedkv.runtime.decode_state import DecodeState
 from pagedkv.runtime.fast_processors import FastProcessors
 from pagedkv.runtime.logits_step import LogitsStep
@@ -82,6 +83,25 @@ def check_call(model: PreparedModel, prompts: list[list[int]], settings: Generat
     return longest
 
 
+def rope_base(model: PreparedModel, prompts: list[list[int]], width: int, max_new: int) -> int:
+    """A length-dependent rope's base S for this call (RopeByLength.call_base; 0 without one),
+    its rows computed; refuses what HF computes otherwise. width: input_ids' padded width."""
+    rope = model.rope
+    if rope is None:
+        return 0
+    reason = crossing_reason(rope.hf_module.config, width, width + max_new)
+    if reason is not None:
+        raise ValueError(f"pagedkv.generate: {reason}")
+    base = rope.call_base(max(map(len, prompts)))
+    if base > rope.length:
+        raise ValueError(f"pagedkv.generate: the model's rotary embedding was grown to S={base} by an "
+                         f"earlier HF forward (dynamic rope keeps it), past the {rope.length} positions "
+                         "pagedkv computes; run HF's forward once on a prompt shorter than "
+                         f"max_position_embeddings ({rope.switch}) to reset it")
+    rope.ensure(max(base, max(map(len, prompts)) + max_new))
+    return base
+
+
 class FixedBatch:
     """generate()'s runner for one prepared model: its own cache, re-made larger when a call
     needs more blocks. Between calls it holds no row; finished rows' full blocks stay in its
@@ -118,6 +138,7 @@ class FixedBatch:
         graphs = cuda_graphs_wanted(use_cuda_graphs, model.device, "pagedkv.generate") and graphs_allowed(model)
         max_new = settings.max_new_tokens
         longest = check_call(model, prompts, settings)
+        base = rope_base(model, prompts, input_ids.shape[1], max_new)
         # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
         # The n rows of a prompt (num_return_sequences) share its full blocks; each has the rest.
@@ -130,7 +151,7 @@ class FixedBatch:
         seq_ids = list(range(len(prompts) * n))
         try:
             new_tokens = self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs,
-                                   decode_loop)  # [B * n, N]
+                                   decode_loop, base)  # [B * n, N]
             keep_rows(runner.cache, seq_ids, new_tokens, settings.eos_token_ids)
         except BaseException:
             runner.cache.free_all(keep_cached=False)  # blocks whose K/V may never have been written
@@ -140,6 +161,9 @@ class FixedBatch:
     # -- the cache ---------------------------------------------------------------------------
     def runner_for(self, num_blocks: int, rows: int, prompt_tokens: int, longest: int) -> ModelRunner:
         """_runner_for, for callers that run their own eager steps on this cache (beam search)."""
+        if self.model.rope is not None:  # its steps carry no per-row S (HF's spans the padded batch)
+            raise ValueError(f"pagedkv.generate: num_beams > 1 is not supported with rope type "
+                             f"{self.model.rope.kind!r}; use num_beams=1")
         return self._runner_for(num_blocks, rows, prompt_tokens, longest)
 
     def _runner_for(self, num_blocks: int, rows: int, prompt_tokens: int, longest: int) -> ModelRunner:
@@ -161,7 +185,9 @@ class FixedBatch:
         runner = self.runner = None
         cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
                         device=model.device, block_size=spec.block_size, num_blocks=num_blocks,
-                        max_seq_len=model.max_positions, enable_prefix_caching=True,
+                        max_seq_len=model.max_positions,
+                        # a length-dependent rope's K depend on the S of the call that wrote them
+                        enable_prefix_caching=model.rope is None,
                         max_batch_size=max(rows, 256),
                         max_step_tokens=max(prompt_tokens, model.max_positions, 256))
         self.runner = ModelRunner(model, cache, use_cuda_graphs=False)
@@ -208,7 +234,8 @@ class FixedBatch:
             return captured.replay, state, sampler
         device = self.model.device
         vocab = self.model.weights.vocab_size if settings.repetition_penalty != 1.0 else None
-        state = DecodeState.allocate(key.rows, key.max_blocks, vocab, BLOCK_SIZE, device)
+        state = DecodeState.allocate(key.rows, key.max_blocks, vocab, BLOCK_SIZE, device,
+                                     rope=self.model.rope is not None)
         sampler = Sampler(key.rows, device, repetition_penalty=settings.repetition_penalty,
                           min_new_tokens=settings.min_new_tokens, eos_token_ids=settings.eos_token_ids,
                           bias_vocab=self.model.weights.vocab_size if key.bias else None, min_p=key.min_p)
@@ -229,7 +256,7 @@ class FixedBatch:
 
     def _run(self, runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]],
              input_ids: torch.Tensor, settings: GenerationSettings, streamer, graphs: bool,
-             decode_loop=None):
+             decode_loop=None, base: int = 0):
         cache = runner.cache
         n = settings.num_return_sequences  # rows r*n .. r*n+n-1 are prompt r's, as HF expands them
         batch, max_new = len(seq_ids), settings.max_new_tokens
@@ -244,7 +271,7 @@ class FixedBatch:
             query = [len(p) - c for p, c in zip(prompts, cached)]  # [B]
             last = list(itertools.accumulate(query, initial=-1))[1:]  # each prompt's last token
             tokens = list(itertools.chain.from_iterable([p[c:] for p, c in zip(prompts, cached)]))
-            logits = runner.run(StepInput(firsts, tokens, query, last))  # [B, V]
+            logits = runner.run(StepInput(firsts, tokens, query, last, rope_bases=[base] * len(firsts)))  # [B, V]
         if n > 1:  # a prompt's other rows fork its blocks (reserve copies a shared partial one)
             for sid in seq_ids:
                 if sid % n:
@@ -264,14 +291,14 @@ class FixedBatch:
                             min_p=fast is not None and fast.min_p is not None)
         if decode_loop is not None:
             step = LogitsStep(runner, rows, max_blocks, BLOCK_SIZE, graphs)
-            step.start(lens, tables)
+            step.start(lens, tables, base)
             return decode_loop(logits, step)
         replay, state, sampler = self._decode_step(runner, key, settings, graphs)
         with record_function("metadata"):
             table_host = torch.zeros(batch, max_blocks, dtype=torch.int32)
             for r, table in enumerate(tables):
                 table_host[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
-            state.start(torch.tensor(lens, dtype=torch.int32), table_host)
+            state.start(torch.tensor(lens, dtype=torch.int32), table_host, base)
             sampler.offsets.zero_()
             sampler.fill_processors(settings.processors, self.model.weights.vocab_size)
             if settings.do_sample:  # from torch's global RNG: torch.manual_seed reproduces a call

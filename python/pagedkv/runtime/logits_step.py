@@ -38,7 +38,8 @@ class LogitsStep:
             self._run = captured.replay
             return
         device = runner.device
-        state = DecodeState.allocate(rows, max_blocks, None, block_size, device)
+        state = DecodeState.allocate(rows, max_blocks, None, block_size, device,
+                                     rope=runner.model.rope is not None)
         fed = torch.zeros(rows, dtype=torch.int64, device=device)  # [rows] the token each row feeds
         offsets = torch.zeros(rows, dtype=torch.int64, device=device)  # [rows] moved on; no sampler reads them
 
@@ -55,12 +56,13 @@ class LogitsStep:
         self._run = (runner.graphs.capture(key, step, buffers=(state, fed, offsets)).replay
                      if graphs else step)
 
-    def start(self, prompt_lens: list[int], tables: list[list[int]]) -> None:
-        """Rows at their prompts' last tokens, with each row's blocks (generation's included)."""
+    def start(self, prompt_lens: list[int], tables: list[list[int]], rope_base: int = 0) -> None:
+        """Rows at their prompts' last tokens, with each row's blocks (generation's included);
+        rope_base: a length-dependent rope's base S of the call (DecodeState.start)."""
         table_host = torch.zeros(len(tables), self.state.block_tables.shape[1], dtype=torch.int32)
         for r, table in enumerate(tables):
             table_host[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        self.state.start(torch.tensor(prompt_lens, dtype=torch.int32), table_host)
+        self.state.start(torch.tensor(prompt_lens, dtype=torch.int32), table_host, rope_base)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B] int64 on the model's device -> logits [B, V]."""

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.layers.moe import moe_weight_tensors
-from pagedkv.layers.rotary import build_cos_sin_cache
+from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, RopeByLength, build_cos_sin_cache, max_length, rope_type
 from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read_shard
 from pagedkv.models.fallback import FallbackWeights, fallback_weights
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights, gemma_cos_sin
@@ -145,6 +145,8 @@ class PreparedModel:
     fingerprint: tuple = ()  # the model's, once the weights were taken (see fingerprint())
     # "awq"/"gptq": int4 checkpoint weights read by pagedkv (runtime/quantized.py) beside a skeleton
     quant: str | None = None
+    # rope "dynamic" / "longrope" (cos_sin None): each step's cos/sin from its tokens' S (layers/rotary.py)
+    rope: RopeByLength | None = None
 
     @classmethod
     def of(cls, model, tp: TensorParallel | None = None, reader: TensorReader | None = None) -> PreparedModel:
@@ -175,7 +177,11 @@ class PreparedModel:
             # A skeleton's rotary module is on meta too: a fresh one of its class (on the CPU, as HF
             # builds it; the class, since a config's model_type may not name its module: internlm3).
             rotary = model.model.rotary_emb
-            if isinstance(weights, GemmaWeights):
+            rope = None
+            if rope_type(model.config) in LENGTH_DEPENDENT_ROPE_TYPES and isinstance(weights, DecoderWeights):
+                max_positions = max_length(model.config)
+                rope, cos_sin = RopeByLength(rotary, max_positions, device), None
+            elif isinstance(weights, GemmaWeights):
                 cos_sin = gemma_cos_sin(model, max_positions, device)
             else:
                 cos_sin = build_cos_sin_cache(model.config, max_positions, device,
@@ -184,7 +190,7 @@ class PreparedModel:
                     str(param.dtype).removeprefix("torch."), device, weight_bytes(weights) / 1e6,
                     "" if tp is None else f" (rank {tp.rank} of {tp.world_size}'s shard)")
         return cls(weights, cos_sin, device, param.dtype, max_positions, tp,
-                   fingerprint=fingerprint(model, versions=tp is not None))
+                   fingerprint=fingerprint(model, versions=tp is not None), rope=rope)
 
     def change_in(self, model) -> str | None:
         """None if `model` is as these weights were taken from it, else its first change.
@@ -303,6 +309,9 @@ def tensor_parallel(model: M, group: dist.ProcessGroup | None = None,
         raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} is not sharded "
                                "yet (OLMo-2's q/k norms span all heads; Granite's multipliers are not in the "
                                "shards); run it on one device with pagedkv.generate or pagedkv.LLM")
+    if rope_type(model.config) in LENGTH_DEPENDENT_ROPE_TYPES:
+        raise UnsupportedModel(f"pagedkv.tensor_parallel: rope type {rope_type(model.config)!r} (cos/sin per "
+                               "sequence length) is not sharded yet; run it on one device")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("pagedkv.tensor_parallel: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group first (e.g. run under torchrun)")

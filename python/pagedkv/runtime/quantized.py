@@ -1,14 +1,16 @@
-"""pagedkv.from_pretrained_quantized: an AWQ or GPTQ (int4) checkpoint run by pagedkv, its
-linears held in pagedkv's W4A16 layout (models/quantized_checkpoint.py), never dequantized.
+"""pagedkv.from_pretrained_quantized: an AWQ, GPTQ or compressed-tensors W4A16 (int4), FP8
+(FineGrainedFP8, compressed-tensors) or bitsandbytes NF4 checkpoint run by pagedkv, its linears
+held in pagedkv's kernel layouts (models/quantized_checkpoint.py), never dequantized.
 
     model = pagedkv.from_pretrained_quantized("Llama-3-8B-AWQ", dtype=torch.float16)
     out = pagedkv.generate(model, input_ids, max_new_tokens=64)   # or pagedkv.patch / pagedkv.LLM
 
 Why a function that returns the HF model rather than HF's from_pretrained + a patch: HF loads
-these checkpoints only through autoawq / gptqmodel (CUDA packages) and would hold its own copy
-of the weights; here the checkpoint is read once, by pagedkv, beside an HF skeleton on the meta
-device (the config, generation config and names that generate(), patch() and LLM read), the
-way tensor_parallel_from_pretrained reads a rank's shard.
+most of these checkpoints only through CUDA packages (autoawq, gptqmodel, bitsandbytes) or
+dequantizes them on the CPU (FP8), and would hold its own copy of the weights; here the
+checkpoint is read once, by pagedkv, beside an HF skeleton on the meta device (the config,
+generation config and names that generate(), patch() and LLM read), the way
+tensor_parallel_from_pretrained reads a rank's shard.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedkv.layers.rotary import build_cos_sin_cache
+from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, build_cos_sin_cache, rope_type
 from pagedkv.models import registry
 from pagedkv.models.checkpoint_shards import open_checkpoint
 from pagedkv.models.quantized_checkpoint import quant_format, read_quantized
@@ -40,16 +42,16 @@ QUANTIZED_MODEL_TYPES = tuple(t for t in registry.SUPPORTED_MODEL_TYPES
 
 def from_pretrained_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None,
                               device: torch.device | str | None = None) -> PreTrainedModel:
-    """The AWQ/GPTQ checkpoint in `path` (a local folder: config.json with its
+    """The quantized checkpoint in `path` (a local folder: config.json with its
     quantization_config, and model.safetensors or model.safetensors.index.json with its files)
     as an HF model skeleton pagedkv runs: pagedkv.generate(model, ...), pagedkv.patch(model),
     pagedkv.LLM(model). dtype: the activations', embedding's, norms' and LM head's (default:
     the config's dtype, else float16); device: where it runs (default cuda if available, else
     the CPU). HF's own forward and generate cannot run on the skeleton and say so.
 
-    Raises UnsupportedModel naming the quantization_config field (quant_method, bits,
-    group_size, version, zero_point, checkpoint_format, lm_head) or model type pagedkv does not
-    run, or, on CUDA, the untested INT4 kernel; ValueError naming a missing or misshapen tensor."""
+    Raises UnsupportedModel naming the quantization_config field (quant/formats.py: quant_method,
+    bits, group_size, activation_scheme, config_groups..., bnb_4bit_quant_type, ...) or model type
+    pagedkv does not run; ValueError naming a missing or misshapen tensor."""
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype if dtype is not None else _config_dtype(path)
@@ -65,19 +67,20 @@ def from_pretrained_quantized(path: str | os.PathLike, dtype: torch.dtype | None
     if model.config.model_type not in QUANTIZED_MODEL_TYPES:
         raise UnsupportedModel(f"{who}: model_type {model.config.model_type!r} is not supported with a "
                                f"quantized checkpoint; supported: {', '.join(QUANTIZED_MODEL_TYPES)}")
-    reason = registry.quantized_cuda_reason(fmt.method, device)
-    if reason is not None:
-        raise UnsupportedModel(f"{who}: {reason}")
+    if rope_type(model.config) in LENGTH_DEPENDENT_ROPE_TYPES:  # layers/rotary.py RopeByLength: not wired here
+        raise UnsupportedModel(f"{who}: rope type {rope_type(model.config)!r} is not supported with a "
+                               "quantized checkpoint yet")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     weights = read_quantized(model, reader, fmt, device, dtype)
     max_positions = int(model.config.max_position_embeddings)
     rotary = type(model.model.rotary_emb)(model.config)  # the skeleton's is on meta: a fresh one
     cos_sin = build_cos_sin_cache(model.config, max_positions, device, rotary_emb=rotary)
-    logger.info("read the %s checkpoint of %s: W4A16, %s activations on %s, %.1f MB", fmt.method.upper(),
-                type(model).__name__, str(dtype).removeprefix("torch."), device, weight_bytes(weights) / 1e6)
+    logger.info("read the %s checkpoint of %s: %s weights, %s activations on %s, %.1f MB", fmt.name,
+                type(model).__name__, fmt.weights, str(dtype).removeprefix("torch."), device,
+                weight_bytes(weights) / 1e6)
     setattr(model, PREPARED_ATTR, PreparedModel(weights, cos_sin, device, dtype, max_positions, None,
-                                                fingerprint=fingerprint(model), quant=fmt.method))
+                                                fingerprint=fingerprint(model), quant=fmt.name))
     model.register_forward_pre_hook(_skeleton_forward)
     return model
 

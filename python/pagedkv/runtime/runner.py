@@ -102,6 +102,9 @@ class StepInput:
     query_lens: list[int] | None  # [B] new tokens per row (its last ones); None: one each (decode)
     logits_rows: list[int] | None = None  # indices into token_ids to return logits for; None: all
     pending: PendingTokens | None = None  # tokens that are still on the device
+    # [B] each row's base S for a length-dependent rope (model.rope): its tokens' S is
+    # max(position + 1, base). Needed by steps with longer rows; decode rows' S is position + 1.
+    rope_bases: list[int] | None = None
 
 
 class ModelRunner:
@@ -121,7 +124,7 @@ class ModelRunner:
             self.decoder = Olmo2Decoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches)
         else:
             self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
-                                        tp=model.tp)
+                                        tp=model.tp, rope=model.rope)
         self.use_cuda_graphs = use_cuda_graphs and graphs_allowed(model)  # for run()'s decode steps
         self.graphs = CudaGraphs() if model.device.type == "cuda" else None
         if self.graphs is not None and model.tp is not None:
@@ -146,7 +149,18 @@ class ModelRunner:
             return full[to_device(rows, self.device)]
         ids = self._on_device(ids, step.pending)
         index = None if rows is None else to_device(rows, self.device)
-        return self.decoder.forward(ids, forward_metadata(meta), logits_rows=index)
+        fmeta = forward_metadata(meta)
+        if self.model.rope is not None:
+            fmeta.rope_lens = self._rope_lens(step, meta.positions)
+        return self.decoder.forward(ids, fmeta, logits_rows=index)
+
+    def _rope_lens(self, step: StepInput, positions: torch.Tensor) -> torch.Tensor:
+        """[T] each token's S (length-dependent rope): max(position + 1, its row's base)."""
+        if step.rope_bases is None or len(step.rope_bases) != len(step.seq_ids):
+            raise ValueError("pagedkv: a step with prompt rows on a length-dependent rope needs "
+                             "StepInput.rope_bases, one per row")
+        per_token = [b for b, n in zip(step.rope_bases, step.query_lens) for _ in range(n)]
+        return torch.maximum(positions.long() + 1, to_device(per_token, self.device))
 
     def _on_device(self, ids: torch.Tensor, pending: PendingTokens | None) -> torch.Tensor:
         ids = ids.to(self.device, non_blocking=True)

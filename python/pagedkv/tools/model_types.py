@@ -21,7 +21,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from pagedkv.models import registry
 
 # Config fields whose defaults are None in these types' configs, which their modules cannot build from.
-DEFAULTS_MISSING = {"hunyuan_v1_dense": dict(head_dim=128), "ministral": dict(head_dim=128),
+DEFAULTS_MISSING = {"hunyuan_v1_dense": dict(head_dim=128), "hunyuan_v1_moe": dict(head_dim=128),
+                    "ministral": dict(head_dim=128),
                     "nemotron": dict(head_dim=128, num_key_value_heads=8)}
 
 

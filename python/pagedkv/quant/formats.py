@@ -1,0 +1,162 @@
+"""A checkpoint's quantization_config checked into the one format pagedkv reads it as, or refused
+naming the field, its value and what is allowed.
+
+    {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}
+    {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": true, "checkpoint_format": "gptq"}
+    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    {"quant_method": "compressed-tensors", "format": "pack-quantized" | "float-quantized",
+     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {...}, "input_activations": ...}}}
+    {"quant_method": "bitsandbytes", "load_in_4bit": true, "bnb_4bit_quant_type": "nf4",
+     "bnb_4bit_use_double_quant": true}
+
+pagedkv computes with the weights only: activations stay in the model's dtype. A
+FineGrainedFP8 checkpoint (activation_scheme "dynamic": per-group activation scales at run
+time, nothing stored) runs as its dequantized weights, as transformers runs it where it has no
+FP8 GPU (it dequantizes); a "static" one is refused. compressed-tensors schemes with
+input_activations (W8A8: FP8-dynamic, static) are refused: transformers quantizes their
+activations even on the CPU, so pagedkv's tokens would not be its tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GPTQ_ZERO_OFFSET = {"gptq": True, "gptq_v2": False}  # checkpoint_format -> zeros stored as zero - 1
+CT_INT4_ACTORDER = (None, "weight", "static")  # these keep groups of consecutive columns (no g_idx)
+CT_FP8_STRATEGIES = ("channel", "tensor", "block")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QuantFormat:
+    name: str  # "awq", "gptq", "fp8", "compressed-tensors w4a16", "compressed-tensors fp8", "bitsandbytes nf4"
+    weights: str  # the kernel it runs: "int4", "fp8" or "nf4"
+    group_size: int = 0  # int4: input columns a group (-1: all of them)
+    zero_offset: bool = False  # GPTQ's historical format: zeros stored as zero - 1
+    block: tuple[int, int] | None = None  # fp8 with block scales: (rows, columns) under one scale
+
+
+def quant_format(quant_config) -> QuantFormat:
+    """A config's quantization_config (a dict, or HF's config object) checked: ValueError naming
+    the field, its value and what is allowed."""
+    if not quant_config:
+        raise ValueError("the checkpoint's config.json has no quantization_config; an unquantized "
+                         "checkpoint loads with transformers' from_pretrained (then pagedkv.generate)")
+    q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
+    method = str(q.get("quant_method", "")).lower()
+    readers = {"awq": _int4, "gptq": _int4, "fp8": _finegrained_fp8, "compressed-tensors": _compressed_tensors,
+               "bitsandbytes": _bitsandbytes}
+    if method not in readers:
+        raise _refuse(q, "quant_method", "'awq', 'gptq' (int4), 'fp8' (FineGrainedFP8), 'compressed-tensors' "
+                      "(W4A16 pack-quantized, FP8 float-quantized), 'bitsandbytes' (NF4)")
+    return readers[method](q, method)
+
+
+def _refuse(q: dict, field: str, allowed: str, value: object = None) -> ValueError:
+    shown = q.get(field) if value is None else value
+    return ValueError(f"quantization_config.{field}={shown!r} is not supported; supported: {allowed}")
+
+
+def _int4_group(q: dict, field: str, group_size: object) -> int:
+    if not isinstance(group_size, int) or not (group_size == -1 or (group_size > 0 and group_size % 32 == 0)):
+        raise _refuse(q, field, "-1 or a multiple of 32 (pagedkv's int4 kernel reads groups of 32 columns)",
+                      group_size)
+    return group_size
+
+
+def _int4(q: dict, method: str) -> QuantFormat:
+    if q.get("bits") != 4:
+        raise _refuse(q, "bits", "4")
+    group_size = _int4_group(q, "group_size", q.get("group_size"))
+    if method == "awq":
+        if str(q.get("version", "gemm")).lower() != "gemm":  # GEMV and Marlin pack otherwise
+            raise _refuse(q, "version", "'gemm'")
+        if q.get("backend") not in (None, "autoawq"):  # llm-awq's checkpoints pack another way
+            raise _refuse(q, "backend", "'autoawq'")
+        if not q.get("zero_point", True):
+            raise _refuse(q, "zero_point", "true")
+        return QuantFormat("awq", "int4", group_size)
+    checkpoint_format = str(q.get("checkpoint_format", "gptq")).lower()
+    if checkpoint_format not in GPTQ_ZERO_OFFSET:
+        raise _refuse(q, "checkpoint_format", "'gptq', 'gptq_v2'")
+    if q.get("lm_head", False):
+        raise _refuse(q, "lm_head", "false (pagedkv runs the LM head in the activations' dtype)")
+    return QuantFormat("gptq", "int4", group_size, GPTQ_ZERO_OFFSET[checkpoint_format])
+
+
+def _block(q: dict, field: str, block: object) -> tuple[int, int]:
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise _refuse(q, field, "two positive sizes [rows, columns], e.g. [128, 128]", block)
+    return (block[0], block[1])
+
+
+def _finegrained_fp8(q: dict, method: str) -> QuantFormat:
+    if str(q.get("activation_scheme", "dynamic")).lower() != "dynamic":
+        raise _refuse(q, "activation_scheme", "'dynamic' (pagedkv keeps activations unquantized; static "
+                      "activation scales would be ignored)")
+    if str(q.get("scale_fmt", "float")) not in ("float", "ue8m0"):
+        raise _refuse(q, "scale_fmt", "'float', 'ue8m0'")
+    if q.get("modules_to_convert"):
+        raise _refuse(q, "modules_to_convert", "none (the decoder layers' linears in FP8, the rest dense)")
+    block = q.get("weight_block_size")
+    return QuantFormat("fp8", "fp8", block=None if block is None else _block(q, "weight_block_size", block))
+
+
+def _compressed_tensors(q: dict, method: str) -> QuantFormat:
+    fmt = q.get("format")
+    if fmt not in ("pack-quantized", "float-quantized"):
+        raise _refuse(q, "format", "'pack-quantized' (int4 W4A16), 'float-quantized' (FP8)")
+    for field in ("sparsity_config", "kv_cache_scheme", "transform_config"):
+        if q.get(field):
+            raise _refuse(q, field, "none (pagedkv reads quantized weights only)")
+    if q.get("quantization_status", "compressed") != "compressed":
+        raise _refuse(q, "quantization_status", "'compressed'")
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse(q, "config_groups", "one group (one scheme for every linear)", sorted(groups))
+    (key, group), = groups.items()
+    where = f"config_groups.{key}"
+    if "Linear" not in (group.get("targets") or []):
+        raise _refuse(q, f"{where}.targets", "a list holding 'Linear'", group.get("targets"))
+    if group.get("format") not in (None, fmt):
+        raise _refuse(q, f"{where}.format", f"{fmt!r} (the checkpoint's format)", group.get("format"))
+    if group.get("output_activations"):
+        raise _refuse(q, f"{where}.output_activations", "null", group.get("output_activations"))
+    w = group.get("weights") or {}
+
+    def need(field: str, allowed: tuple, shown: str) -> None:
+        if w.get(field) not in allowed:
+            raise _refuse(q, f"{where}.weights.{field}", shown, w.get(field))
+
+    need("symmetric", (True,), "true")
+    need("dynamic", (False, None), "false")
+    if fmt == "pack-quantized":
+        need("num_bits", (4,), "4")
+        need("type", ("int",), "'int'")
+        need("strategy", ("group", "channel"), "'group', 'channel'")
+        need("actorder", CT_INT4_ACTORDER, "null, 'weight', 'static' (no g_idx)")
+        if group.get("input_activations"):
+            raise _refuse(q, f"{where}.input_activations", "null (W4A16: pagedkv does not quantize activations)",
+                          group.get("input_activations"))
+        group_size = -1 if w["strategy"] == "channel" else _int4_group(q, f"{where}.weights.group_size",
+                                                                       w.get("group_size"))
+        return QuantFormat("compressed-tensors w4a16", "int4", group_size)
+    need("num_bits", (8,), "8")
+    need("type", ("float",), "'float' (e4m3)")
+    need("strategy", CT_FP8_STRATEGIES, "'channel', 'tensor', 'block'")
+    if group.get("input_activations"):
+        raise _refuse(q, f"{where}.input_activations", "null (weight-only FP8, W8A16: pagedkv does not quantize "
+                      "activations)", group.get("input_activations"))
+    block = _block(q, f"{where}.weights.block_structure", w.get("block_structure")) \
+        if w["strategy"] == "block" else None
+    return QuantFormat("compressed-tensors fp8", "fp8", block=block)
+
+
+def _bitsandbytes(q: dict, method: str) -> QuantFormat:
+    if q.get("load_in_8bit"):
+        raise _refuse(q, "load_in_8bit", "false (LLM.int8 is not supported; 4-bit NF4 is)")
+    if not q.get("load_in_4bit"):
+        raise _refuse(q, "load_in_4bit", "true (NF4)")
+    if str(q.get("bnb_4bit_quant_type", "fp4")).lower() != "nf4":
+        raise _refuse(q, "bnb_4bit_quant_type", "'nf4'")
+    return QuantFormat("bitsandbytes nf4", "nf4")
