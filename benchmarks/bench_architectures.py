@@ -111,7 +111,8 @@ def expert_bytes(model) -> tuple[int, int]:
 
 
 def time_systems(model, batch: int, prompt: int, new: int, device: str, hf: bool, counter=None) -> dict:
-    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device)
+    generator = torch.Generator(device).manual_seed(batch)  # the same prompts (and experts) every run
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device, generator=generator)
     systems = {}
     if hf:
         systems["HF eager"] = lambda i, n: model.generate(i, max_new_tokens=n, do_sample=False)
@@ -159,12 +160,13 @@ def main() -> None:
     vocab = 1024 if args.small else None
     copy_gbs = copy_bandwidth_gbs(device) if device == "cuda" else float("nan")
     hf = not args.no_hf
-    rows, plot = [], {"pagedkv": [], "HF eager": []}
+    rows, plot = [], {"pagedkv": [], "HF eager": [], "roofline": []}
     labels = []
 
     def record(label, batch, times, roofline_ms, extra=""):
         rows.append(row(label, batch, times, roofline_ms, extra))
-        labels.append(f"{label} b{batch}")
+        labels.append(f"{label.replace(' shape', '').replace(' (fallback)', '')}\nbatch {batch}")
+        plot["roofline"].append(roofline_ms)
         plot["pagedkv"].append(times["pagedkv"])
         plot["HF eager"].append(times.get("HF eager", 0.0))
         print(rows[-1], flush=True)
