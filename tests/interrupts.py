@@ -30,8 +30,9 @@ class Interrupter:
     the (file, line) of each event in `sites`); at=N raises KeyboardInterrupt at the N-th event,
     once, and records where in `where`."""
 
-    def __init__(self, at: int | None = None):
+    def __init__(self, at: int | None = None, on: str = "line"):
         self.at = at
+        self.on = on  # "line": any line; "call": the start of a traced function (see RandomInterrupts)
         self.count = 0
         self.sites: list[tuple[str, int]] = []
         self.where: tuple[str, str, int] | None = None  # (file, function, line) of the interrupt
@@ -42,7 +43,12 @@ class Interrupter:
         return self.where is not None
 
     def _call(self, frame, event, arg):
-        return self._line if frame.f_code.co_filename.startswith(TRACED) else None
+        if not frame.f_code.co_filename.startswith(TRACED):
+            return None
+        if self.on == "call":
+            self._line(frame, "line", arg)  # counts this function's start as the event
+            return None
+        return self._line
 
     def _line(self, frame, event, arg):
         if event == "line":
@@ -124,10 +130,16 @@ def interrupt_points(sites: list[tuple[str, int]], sample: int = 40, seed: int =
 
 
 class RandomInterrupts:
-    """A share `rate` of the calls made under it get an interrupt at a random line event
-    (scripts/soak.py): `with chaos():` around a call; the point is drawn up to the most events a
-    call was seen to run (uninterrupted calls are counted). One per thread: settrace traces only
-    the thread that sets it."""
+    """A share `rate` of the calls made under it get an interrupt at the start of a random pagedkv
+    function call (scripts/soak.py): `with chaos():` around a call; the point is drawn up to the
+    most events a call was seen to run (uninterrupted calls are counted). One per thread: settrace
+    traces only the thread that sets it.
+
+    At function starts, not at any line: a trace function raising at the line that leaves a `with`
+    block (the exit call runs under the `with` line, outside the block's exception-table entry)
+    skips __exit__, so the engine's lock stayed held and the soak's callers waited for it forever
+    (seen once in CI). A real Ctrl-C cannot land there (CPython checks signals at function starts,
+    calls and backward jumps); tests/test_interrupts.py interrupts every line, in a thread of its own."""
 
     def __init__(self, rate: float, seed: int):
         self.rate, self.rng = rate, random.Random(seed)
@@ -136,7 +148,7 @@ class RandomInterrupts:
         self.tracer: Interrupter | None = None
 
     def __call__(self) -> Interrupter | contextlib.nullcontext:
-        self.tracer = Interrupter(self.rng.randint(1, self.span)) if self.rng.random() < self.rate else None
+        self.tracer = Interrupter(self.rng.randint(1, self.span), on="call") if self.rng.random() < self.rate else None
         return self.tracer or contextlib.nullcontext()
 
     def done(self, interrupted: bool) -> None:

@@ -101,21 +101,27 @@ def test_generate_matches_hf_on_the_dequantized_model(tmp_path, case, arch, quan
     assert torch.equal(got, reference.generate(ids, **GREEDY))
 
 
-def test_llm_and_patch_match_hf(tmp_path):
-    reference, _ = write_checkpoint(tmp_path, "qwen2", CASES[4][2])
-    model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+def assert_llm_matches(model, reference) -> None:
+    """pagedkv.LLM over a quantized checkpoint (chunked prefill beside decodes) gives the greedy
+    tokens of `reference` (HF's model with the dequantized weights), each prompt alone."""
     prompts = random_prompts([5, 17, 30], seed=4)
-    llm = pagedkv.LLM(model, max_num_seqs=4, max_num_batched_tokens=16)  # chunked prefill beside decodes
+    llm = pagedkv.LLM(model, max_num_seqs=4, max_num_batched_tokens=16)
     outs = llm.generate(prompts, pagedkv.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                         use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         want = reference.generate(torch.tensor([prompt]), **{**GREEDY, "max_new_tokens": 8})
         assert out.token_ids == want[0, len(prompt):].tolist()
     assert_no_leaks(llm)
+
+
+def test_llm_and_patch_match_hf(tmp_path):
+    reference, _ = write_checkpoint(tmp_path, "qwen2", CASES[4][2])
+    model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+    assert_llm_matches(model, reference)
     with pytest.raises(RuntimeError, match="from_pretrained_quantized"):
         model(torch.tensor([[3, 4]]))  # HF's own forward: the skeleton holds no weights
     pagedkv.patch(model)
-    ids = torch.tensor([prompts[1]])
+    ids = torch.tensor([random_prompts([17], seed=5)[0]])
     assert torch.equal(model.generate(ids, **GREEDY), reference.generate(ids, **GREEDY))
 
 

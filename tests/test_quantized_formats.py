@@ -25,7 +25,8 @@ from models import tiny_model
 from nf4_formats import bnb_dequantize, to_bnb_nf4
 from pagedkv.quant import Fp8Weight, Nf4Packed, W4A16Weight
 from pagedkv.runtime.model import weight_bytes
-from test_engine import assert_no_leaks, random_prompts
+from test_engine import random_prompts
+from test_quantized_checkpoints import assert_llm_matches
 
 GREEDY = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -191,14 +192,7 @@ def test_bf16_activations_match_hf_up_to_near_ties(tmp_path, case):
 def test_llm_matches_hf(tmp_path, case):
     reference, _ = write_checkpoint(tmp_path, case)
     model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
-    prompts = random_prompts([5, 17, 30], seed=4)
-    llm = pagedkv.LLM(model, max_num_seqs=4, max_num_batched_tokens=16)  # chunked prefill beside decodes
-    outs = llm.generate(prompts, pagedkv.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                        use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        want = reference.generate(torch.tensor([prompt]), **{**GREEDY, "max_new_tokens": 8})
-        assert out.token_ids == want[0, len(prompt):].tolist()
-    assert_no_leaks(llm)
+    assert_llm_matches(model, reference)
 
 
 @pytest.mark.parametrize("case", ["fp8-block128-llama", "fp8-ue8m0-qwen3", "fp8-per-tensor-llama"])

@@ -27,6 +27,7 @@ def test_soak_scaled_down():
     assert result.requests == result.finished + result.aborted == 300
     # The run exercised what it is there for.
     assert result.preemptions > 20 and result.aborted > 0 and result.cached_prompt_tokens > 0
+    assert result.interrupts > 0
     assert result.tokens > 300
 
 
