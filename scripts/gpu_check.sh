@@ -45,7 +45,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
 
 # Wheels carried from the dev machine (scripts/device_wheels.sh; the device tool's `carry: [".whl"]`):
-# the notebook's nbconvert/ipykernel for tests/test_notebook.py, gguf, FlashInfer for W3's column.
+# the notebook's nbconvert/ipykernel for tests/test_notebook.py, gguf, FlashInfer for W3's column,
+# bitsandbytes / compressed-tensors / torchao (.whl/quant, carried apart: `carry: [".whl/quant",
+# ".whl/deps"]`, the 64 MiB a call takes does not hold it beside FlashInfer).
 if [ -d .whl ]; then
   echo "== carried wheels (.whl)"
   SITE=/tmp/pagedkv-site
@@ -59,8 +61,15 @@ if [ -d .whl ]; then
     "$PY" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$SITE" \
       .whl/deps/*.whl || echo "gpu_check: .whl/deps did not install"
   fi
+  if ls .whl/quant/*.whl > /dev/null 2>&1; then  # the quantized checkpoints' loader packages
+    "$PY" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$SITE" \
+      .whl/quant/*.whl || echo "gpu_check: .whl/quant did not install"
+  fi
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
   "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+  for package in bitsandbytes compressed_tensors torchao; do
+    "$PY" -c "import $package; print('$package', $package.__version__)" 2>&1 | tail -1
+  done
 fi
 
 echo "== build"
