@@ -7,6 +7,8 @@ cache as they were."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -17,6 +19,7 @@ import pagedkv
 import tp_worker
 from conftest import DEVICES
 from pagedkv.models import fallback, registry
+from pagedkv.runtime.runner import cuda_graphs_wanted
 from models import widen
 from test_engine import assert_llm_gives_hf_greedy_tokens, assert_no_leaks, random_prompts
 
@@ -118,9 +121,7 @@ def test_generate_gives_hf_greedy_tokens(model_type, device):
     ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=1)
     expected = model.generate(ids, attention_mask=mask, **GREEDY)  # [2, 19 + 16]
     assert_varied(expected[:, ids.shape[1]:])
-    # use_cuda_graphs=True on CUDA: fallback models run eagerly all the same
-    graphs = True if device == "cuda" else None
-    got = pagedkv.generate(model, ids, attention_mask=mask, use_cuda_graphs=graphs, **GREEDY)
+    got = pagedkv.generate(model, ids, attention_mask=mask, **GREEDY)  # eager, on CUDA too
     assert torch.equal(got, expected)
     assert model.config._attn_implementation == own
     assert_nothing_held(model)
@@ -142,7 +143,12 @@ def test_llm_gives_hf_greedy_tokens(model_type):
 @pytest.mark.cuda
 def test_llm_on_cuda_runs_eagerly():
     model = tiny("gpt_neox", "cuda")
-    llm = pagedkv.LLM(model, max_num_seqs=2, use_cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"use_cuda_graphs=True, but this model runs by its own HF modules"):
+        pagedkv.LLM(model, max_num_seqs=2, use_cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"use_cuda_graphs=True, but this model runs by its own HF modules"):
+        pagedkv.generate(model, torch.tensor([[3, 4, 5]], device="cuda"), use_cuda_graphs=True, **GREEDY)
+    assert_nothing_held(model)
+    llm = pagedkv.LLM(model, max_num_seqs=2)
     prompts = random_prompts([5, 19])
     params = pagedkv.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -150,6 +156,16 @@ def test_llm_on_cuda_runs_eagerly():
         assert tokens == model.generate(torch.tensor([prompt], device="cuda"), **GREEDY)[0, len(prompt):].tolist()
     assert len(llm.runner.graphs) == 0
     assert_no_leaks(llm)
+
+
+def test_cuda_graphs_asked_for_a_fallback_model_are_refused():
+    """use_cuda_graphs=True used to be ignored for a fallback model (it ran eagerly); now named."""
+    prepared = types.SimpleNamespace(device=torch.device("cuda", 0),
+                                     weights=fallback.FallbackWeights.__new__(fallback.FallbackWeights))
+    with pytest.raises(ValueError, match=r"use_cuda_graphs=True, but this model runs by its own HF modules"):
+        cuda_graphs_wanted(True, prepared, "pagedkv.generate")
+    assert cuda_graphs_wanted(None, prepared, "pagedkv.generate") is False
+    assert cuda_graphs_wanted(False, prepared, "pagedkv.generate") is False
 
 
 @pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))

@@ -105,7 +105,7 @@ class LLM(BatchAPI):
             raise ValueError(f"pagedkv.LLM: max_model_len {max_model_len} is more than the model's limit "
                              f"({limit}) or the KV cache's capacity ({capacity} tokens)")
         self.max_model_len = max_model_len or min(limit, capacity)
-        graphs = cuda_graphs_wanted(use_cuda_graphs, self.device, "pagedkv.LLM")
+        graphs = cuda_graphs_wanted(use_cuda_graphs, state, "pagedkv.LLM")
         self.runner = ModelRunner(state, self.cache, graphs, max_batch=max_num_seqs)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.vocab_size = w.vocab_size

@@ -25,7 +25,7 @@ from pagedkv.runtime.logits_step import LogitsStep
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import call_digest
 from pagedkv.runtime.prefix_reuse import keep_rows
-from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, cuda_graphs_wanted, graphs_allowed
+from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, cuda_graphs_wanted
 from pagedkv.runtime.sampler import Sampler
 
 BLOCK_SIZE = 16
@@ -135,7 +135,7 @@ class FixedBatch:
         processors, hf/processed_decode.py): decode_loop(prefill logits [B, V], step) -> [B, N],
         step(tokens [B]) -> logits [B, V] (a LogitsStep); None: the captured sample-in-graph steps."""
         model = self.model
-        graphs = cuda_graphs_wanted(use_cuda_graphs, model.device, "pagedkv.generate") and graphs_allowed(model)
+        graphs = cuda_graphs_wanted(use_cuda_graphs, model, "pagedkv.generate")
         max_new = settings.max_new_tokens
         longest = check_call(model, prompts, settings)
         base = rope_base(model, prompts, input_ids.shape[1], max_new)

@@ -42,11 +42,18 @@ def bucket(batch: int, limit: int | None = None) -> int:
     return padded if limit is None else max(min(padded, limit), batch)
 
 
-def cuda_graphs_wanted(requested: bool | None, device: torch.device, caller: str) -> bool:
-    """A use_cuda_graphs argument resolved: None means on for CUDA models; True off CUDA raises."""
+def cuda_graphs_wanted(requested: bool | None, model: PreparedModel, caller: str) -> bool:
+    """A use_cuda_graphs argument resolved: None means on for CUDA models that allow graphs;
+    True raises off CUDA and for a model run by its own HF modules (graphs_allowed), never
+    silently eager."""
+    device = model.device
     if requested and device.type != "cuda":
         raise ValueError(f"{caller}: use_cuda_graphs=True needs a model on a CUDA device, got {device}")
-    return device.type == "cuda" if requested is None else bool(requested)
+    if requested and not graphs_allowed(model):
+        raise ValueError(f"{caller}: use_cuda_graphs=True, but this model runs by its own HF modules "
+                         "(pagedkv.support_path(model) == 'fallback'), whose steps are not captured as CUDA "
+                         "graphs yet; pass use_cuda_graphs=None (the default) or False")
+    return (device.type == "cuda" if requested is None else bool(requested)) and graphs_allowed(model)
 
 
 def graphs_allowed(model: PreparedModel) -> bool:
@@ -111,7 +118,7 @@ class ModelRunner:
     def __init__(self, model: PreparedModel, cache: KVCache, use_cuda_graphs: bool,
                  max_batch: int | None = None):
         """max_batch: most rows of a decode step (caps its bucket); use_cuda_graphs needs CUDA."""
-        cuda_graphs_wanted(use_cuda_graphs, model.device, "pagedkv")
+        cuda_graphs_wanted(use_cuda_graphs, model, "pagedkv")
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -125,7 +132,7 @@ class ModelRunner:
         else:
             self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
                                         tp=model.tp, rope=model.rope)
-        self.use_cuda_graphs = use_cuda_graphs and graphs_allowed(model)  # for run()'s decode steps
+        self.use_cuda_graphs = use_cuda_graphs  # for run()'s decode steps
         self.graphs = CudaGraphs() if model.device.type == "cuda" else None
         if self.graphs is not None and model.tp is not None:
             graphs_hold_collectives(self.graphs)  # dropped before the process group goes
