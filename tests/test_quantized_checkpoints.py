@@ -161,15 +161,11 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
         pagedkv.from_pretrained_quantized(tmp_path, device="cpu")
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("case, arch, quant", [CASES[0], CASES[4]], ids=[CASES[0][0], CASES[4][0]])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cuda_generate_matches_hf(tmp_path, case, arch, quant, dtype):
+def assert_cuda_generate_matches(model, reference, dtype: torch.dtype) -> None:
+    """pagedkv.generate on CUDA gives `reference`'s greedy tokens (HF's model with the dequantized
+    weights): exactly in fp32, up to near ties in 16-bit dtypes."""
     from tolerance import assert_tokens_equal_up_to_near_tie
 
-    reference, _ = write_checkpoint(tmp_path, arch, quant)
-    reference = reference.to("cuda", dtype)
-    model = pagedkv.from_pretrained_quantized(tmp_path, dtype=dtype, device="cuda")
     ids = torch.tensor(random_prompts([9, 9], seed=3), device="cuda")
     got = pagedkv.generate(model, ids, **GREEDY)
     want = reference.generate(ids, **GREEDY, return_dict_in_generate=True, output_logits=True)
@@ -177,3 +173,12 @@ def test_cuda_generate_matches_hf(tmp_path, case, arch, quant, dtype):
         assert torch.equal(got, want.sequences)
     else:
         assert_tokens_equal_up_to_near_tie(got, want, ids.shape[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case, arch, quant", [CASES[0], CASES[4]], ids=[CASES[0][0], CASES[4][0]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_generate_matches_hf(tmp_path, case, arch, quant, dtype):
+    reference, _ = write_checkpoint(tmp_path, arch, quant)
+    model = pagedkv.from_pretrained_quantized(tmp_path, dtype=dtype, device="cuda")
+    assert_cuda_generate_matches(model, reference.to("cuda", dtype), dtype)

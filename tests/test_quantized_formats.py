@@ -26,7 +26,7 @@ from nf4_formats import bnb_dequantize, to_bnb_nf4
 from pagedkv.quant import Fp8Weight, Nf4Packed, W4A16Weight
 from pagedkv.runtime.model import weight_bytes
 from test_engine import random_prompts
-from test_quantized_checkpoints import assert_llm_matches
+from test_quantized_checkpoints import assert_cuda_generate_matches, assert_llm_matches
 
 GREEDY = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -281,18 +281,9 @@ def test_bad_tensors_are_named(tmp_path):
                                   "ct-w4a16-g128-llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_generate_matches_hf(tmp_path, case, dtype):
-    from tolerance import assert_tokens_equal_up_to_near_tie
-
     reference, _ = write_checkpoint(tmp_path, case)
-    reference = reference.to("cuda", dtype)
     model = pagedkv.from_pretrained_quantized(tmp_path, dtype=dtype, device="cuda")
-    ids = torch.tensor(random_prompts([9, 9], seed=3), device="cuda")
-    got = pagedkv.generate(model, ids, **GREEDY)
-    want = reference.generate(ids, **GREEDY, return_dict_in_generate=True, output_logits=True)
-    if dtype == torch.float32:
-        assert torch.equal(got, want.sequences)
-    else:
-        assert_tokens_equal_up_to_near_tie(got, want, ids.shape[1])
+    assert_cuda_generate_matches(model, reference.to("cuda", dtype), dtype)
 
 
 def test_a_model_loaded_quantized_is_refused_pointing_to_its_checkpoint():

@@ -17,7 +17,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.layers.rotary import LengthDependentRope, RopeByLength, phi3_drops_cache
 from conftest import DEVICES
 from test_engine import assert_no_leaks
-from test_rope_length_dependent import SWITCH, tiny
+from test_rope_length_dependent import SWITCH, batch, tiny
 
 NEW = 16
 LENGTHS = {"prompt past the switch": [SWITCH + 8], "decode crosses it": [20],
@@ -28,17 +28,6 @@ def crosses(kind: str, lengths: list[int]) -> bool:
     """Whether HF's Phi-3 generate drops its cache in this batch (it crosses the switch): pagedkv
     refuses it (5.24 recomputes the sequence, 5.17 goes on without the earlier K)."""
     return phi3_drops_cache(tiny(kind).config) and max(lengths) <= SWITCH < max(lengths) + NEW - 1
-
-
-def batch(lengths: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded input_ids and attention_mask [B, max(lengths)] of random prompts."""
-    longest = max(lengths)
-    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(lengths):
-        ids[r, longest - n:] = torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(r))
-        mask[r, longest - n:] = 1
-    return ids.to(device), mask.to(device)
 
 
 @functools.lru_cache(maxsize=None)

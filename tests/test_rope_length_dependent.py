@@ -36,15 +36,22 @@ def tiny(kind: str):
     return widen(AutoModelForCausalLM.from_config(config)).eval()
 
 
-def hf_rotary_calls(model, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(position_ids [B, T], real [B, T] bool, cos|sin halves [B, T, Dh]) of each forward of HF's
-    greedy generate over left-padded prompts of `lengths`."""
+def batch(lengths: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input_ids and attention_mask [B, max(lengths)] of random prompts (row r's
+    tokens seeded by r)."""
     longest = max(lengths)
     ids = torch.zeros(len(lengths), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, n in enumerate(lengths):
         ids[r, longest - n:] = torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(r))
         mask[r, longest - n:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def hf_rotary_calls(model, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(position_ids [B, T], real [B, T] bool, cos|sin halves [B, T, Dh]) of each forward of HF's
+    greedy generate over left-padded prompts of `lengths`."""
+    ids, mask = batch(lengths, "cpu")
     calls = []
 
     def record(module, args, kwargs, out):
@@ -53,7 +60,7 @@ def hf_rotary_calls(model, lengths: list[int]) -> list[tuple[torch.Tensor, torch
         # it first crosses the switch (transformers 5.24's prepare_inputs_for_generation)
         real = torch.ones_like(positions, dtype=torch.bool)
         if positions.shape[1] > 1:
-            real[:, :longest] = mask.bool()
+            real[:, :ids.shape[1]] = mask.bool()
         half = out[0].shape[-1] // 2
         calls.append((positions.clone(), real, torch.cat([out[0][..., :half], out[1][..., :half]], -1).clone()))
 
