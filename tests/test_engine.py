@@ -37,6 +37,12 @@ def random_prompts(lengths, seed=0, vocab=256):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def assert_nothing_held(model) -> None:
+    """No sequence and no block left in the cache pagedkv.generate keeps for `model`."""
+    cache = pagedkv.kv_cache_of(model)
+    assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
+
+
 def assert_no_leaks(llm: LLM) -> None:
     assert not llm.has_unfinished_requests()
     assert llm.cache.num_free_blocks == llm.cache.num_blocks

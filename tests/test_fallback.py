@@ -21,7 +21,7 @@ from conftest import DEVICES
 from pagedkv.models import fallback, registry
 from pagedkv.runtime.runner import cuda_graphs_wanted
 from models import widen
-from test_engine import assert_llm_gives_hf_greedy_tokens, assert_no_leaks, random_prompts
+from test_engine import assert_llm_gives_hf_greedy_tokens, assert_no_leaks, assert_nothing_held, random_prompts
 
 SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -86,11 +86,6 @@ def tiny(model_type: str, device: str = "cpu", seed: int = 0, **fields):
 def assert_varied(tokens: torch.Tensor) -> None:
     """HF's tokens are not one repeated token: a test over them could not tell models apart."""
     assert len(set(tokens.flatten().tolist())) >= 4, tokens
-
-
-def assert_nothing_held(model) -> None:
-    cache = pagedkv.kv_cache_of(model)
-    assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
 
 
 def assert_refused_outside_the_attention_interface(model) -> None:

@@ -16,7 +16,7 @@ from conftest import DEVICES
 from models import widen
 from pagedkv.models import gemma, registry
 from pagedkv.runtime.model import prepared
-from test_engine import assert_llm_gives_hf_greedy_tokens, random_prompts
+from test_engine import assert_llm_gives_hf_greedy_tokens, assert_nothing_held, random_prompts
 
 COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=256, max_position_embeddings=512,
@@ -50,11 +50,6 @@ def tiny(name: str, device: str = "cpu", seed: int = 0, **fields):
         with torch.no_grad():
             model.model.embed_tokens.weight.div_(4)
     return model.to(device).eval()
-
-
-def assert_nothing_held(model) -> None:
-    cache = pagedkv.kv_cache_of(model)
-    assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,7 +18,7 @@ from models import widen
 from pagedkv.models import olmo2, registry
 from pagedkv.models.llama import DecoderWeights, PagedDecoder
 from pagedkv.runtime.model import prepared
-from test_engine import assert_llm_gives_hf_greedy_tokens, random_prompts
+from test_engine import assert_llm_gives_hf_greedy_tokens, assert_nothing_held, random_prompts
 from tolerance import assert_tokens_equal_up_to_near_tie
 
 COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
@@ -38,11 +38,6 @@ def tiny(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32, see
     config = AutoConfig.for_model(model_type, **{**COMMON, **own, **fields})
     model = widen(AutoModelForCausalLM.from_config(config), norms=True)
     return model.to(device=device, dtype=dtype).eval()
-
-
-def assert_nothing_held(model) -> None:
-    cache = pagedkv.kv_cache_of(model)
-    assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,7 +18,7 @@ from pagedkv.models import registry
 from pagedkv.models.checkpoint_shards import open_checkpoint, read_shard
 from pagedkv.models.llama import extract_weights
 from pagedkv.models.sharding import shard_weights
-from test_engine import assert_no_leaks, random_prompts
+from test_engine import assert_no_leaks, assert_nothing_held, random_prompts
 
 WINDOW = 8  # the prompts (5 and 19 tokens) and 40 new tokens run far past it
 NEW = 40
@@ -63,11 +63,6 @@ def tiny(name: str, device: str = "cpu", **fields):
         with torch.no_grad():
             model.model.embed_tokens.weight.div_(4)
     return model.to(device).eval()
-
-
-def assert_nothing_held(model) -> None:
-    cache = pagedkv.kv_cache_of(model)
-    assert len(cache.manager) == 0 and cache.num_free_blocks == cache.num_blocks
 
 
 @pytest.mark.parametrize("device", DEVICES)
