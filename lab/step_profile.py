@@ -1,8 +1,9 @@
-"""Where a decode step of the Qwen3-30B-A3B shape goes (issue 32's MoE row): kernel time per
-decode step by kernel name (each kernel's time alone on the device), pagedkv.generate at batch B, from torch.profiler over (1 + N) - 1 new
-tokens. Layers can be fewer than 48 (the per-layer cost is what matters).
+"""Where a decode step of issue 32's shapes goes (the Qwen3-30B-A3B MoE row, the Gemma-2-9B row):
+kernel time per decode step by kernel name (each kernel's time alone on the device), pagedkv.generate
+at batch B after a prompt of P tokens, from torch.profiler over (1 + N) - 1 new tokens. Layers can be
+fewer than the real count (the per-layer cost is what matters; the LM head's share grows).
 
-    python lab/moe_step_profile.py [--layers 8] [--batch 1] [--new 32]
+    python lab/step_profile.py [--model moe|gemma2] [--layers 8] [--batch 1] [--prompt 128] [--new 32]
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_architectures import QWEN3_30B_A3B, build  # noqa: E402
-from transformers import Qwen3MoeConfig  # noqa: E402
+from bench_architectures import GEMMA2_9B, QWEN3_30B_A3B, build  # noqa: E402
+from transformers import Gemma2Config, Qwen3MoeConfig  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv.tools.profiling import _busy_per_kernel  # noqa: E402
@@ -36,12 +37,15 @@ def kernel_us(fn) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", choices=("moe", "gemma2"), default="moe")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new", type=int, default=32)
     args = parser.parse_args()
-    model = build(Qwen3MoeConfig, QWEN3_30B_A3B, args.layers, "cuda", torch.bfloat16)
-    ids = torch.randint(3, model.config.vocab_size, (args.batch, 128), device="cuda")
+    config_cls, shape = {"moe": (Qwen3MoeConfig, QWEN3_30B_A3B), "gemma2": (Gemma2Config, GEMMA2_9B)}[args.model]
+    model = build(config_cls, shape, args.layers, "cuda", torch.bfloat16)
+    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
     run = lambda n: pagedkv.generate(model, ids, max_new_tokens=n, do_sample=False)  # noqa: E731
     run(1 + args.new)
     short, long = kernel_us(lambda: run(1)), kernel_us(lambda: run(1 + args.new))
