@@ -12,8 +12,8 @@
             generate() reserves for prompt 128 + 128 new tokens, the contexts 128-256 of the run):
             in a W1 step attention is ~5% of the time and latency-bound, with 4 splits chosen.
 
-    python lab/kernel_counters.py counters|sweep|sweep-w1 [--points BxC,...]
-(--points replaces a sweep's batch x context points.)
+    python lab/kernel_counters.py counters|sweep|sweep-w1 [--points BxC,...] [--heads Q,KV] [--head-dim D]
+(--points replaces a sweep's batch x context points; --heads and --head-dim its attention shape.)
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 
 
-def attention_inputs(batch: int, context: int, heads=(NUM_Q_HEADS, NUM_KV_HEADS), table_tokens=None):
+def attention_inputs(batch: int, context: int, heads=(NUM_Q_HEADS, NUM_KV_HEADS), table_tokens=None,
+                     head_dim: int = HEAD_DIM):
     """q, caches, a shuffled block table of table_tokens (default: context) per row, lens."""
     num_q_heads, num_kv_heads = heads
     blocks = batch * (table_tokens or context) // BLOCK_SIZE
-    k_cache = torch.randn(blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k_cache = torch.randn(blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=DTYPE, device="cuda")
     v_cache = torch.randn_like(k_cache)
     table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, num_q_heads, HEAD_DIM, dtype=DTYPE, device="cuda")
+    q = torch.randn(batch, num_q_heads, head_dim, dtype=DTYPE, device="cuda")
     return q, k_cache, v_cache, table, lens
 
 
@@ -99,13 +100,13 @@ W1_HEADS, W1_TABLE_TOKENS = (28, 4), 256
 W1_SWEEP_POINTS = [(1, 128), (1, 192), (1, 256), (8, 192), (32, 192)]
 
 
-def sweep(points, heads=(NUM_Q_HEADS, NUM_KV_HEADS), table_tokens=None) -> None:
-    print(f"| batch x context ({heads[0]} q / {heads[1]} kv heads) | num_splits | us | GB/s of K/V |")
+def sweep(points, heads=(NUM_Q_HEADS, NUM_KV_HEADS), table_tokens=None, head_dim: int = HEAD_DIM) -> None:
+    print(f"| batch x context ({heads[0]} q / {heads[1]} kv heads, head_dim {head_dim}) | num_splits | us | GB/s of K/V |")
     print("|---|---|---|---|")
     for batch, context in points:
-        kv_bytes = 2 * batch * context * heads[1] * HEAD_DIM * DTYPE.itemsize
+        kv_bytes = 2 * batch * context * heads[1] * head_dim * DTYPE.itemsize
         # Copies rotated as in bench_attention: a cache smaller than the L2 would be timed from it.
-        sets = [attention_inputs(batch, context, heads, table_tokens)
+        sets = [attention_inputs(batch, context, heads, table_tokens, head_dim)
                 for _ in range(copies_past_l2(kv_bytes, "cuda"))]
         q, k_cache, _, table, _ = sets[0]
         auto = ops.paged_decode_num_splits(q, k_cache, table)
@@ -116,7 +117,7 @@ def sweep(points, heads=(NUM_Q_HEADS, NUM_KV_HEADS), table_tokens=None) -> None:
                 continue
             workspace = ops.paged_decode_workspace(q, k_cache, table, splits)
             fn, per_graph = rotating([lambda s=s: ops.paged_decode_attention(
-                *s[:5], HEAD_DIM ** -0.5, workspace=workspace, num_splits=splits) for s in sets])
+                *s[:5], head_dim ** -0.5, workspace=workspace, num_splits=splits) for s in sets])
             us = median_time_us(fn, "cuda", calls_per_graph=per_graph)
             mark = " (auto)" if splits == auto else ""
             print(f"| {batch}x{context} | {splits}{mark} | {us:.1f} | {kv_bytes / us / 1e3:.0f} |", flush=True)
@@ -129,15 +130,18 @@ def main() -> None:
     parser.add_argument("mode", choices=["counters", "sweep", "sweep-w1"])
     parser.add_argument("--points", type=lambda text: [tuple(map(int, p.split("x"))) for p in text.split(",")],
                         help="batch x context points of a sweep, e.g. 1x512,8x512 (default: the mode's own)")
+    parser.add_argument("--heads", type=lambda text: tuple(map(int, text.split(","))), default=None,
+                        help="query,kv heads of a sweep (default: the mode's own), e.g. 16,8 for Gemma-2-9B")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head_dim of a sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_counters.py: needs a CUDA GPU")
     if args.mode == "counters":
         counters()
     elif args.mode == "sweep":
-        sweep(args.points or SWEEP_POINTS)
+        sweep(args.points or SWEEP_POINTS, args.heads or (NUM_Q_HEADS, NUM_KV_HEADS), head_dim=args.head_dim)
     else:
-        sweep(args.points or W1_SWEEP_POINTS, W1_HEADS, W1_TABLE_TOKENS)
+        sweep(args.points or W1_SWEEP_POINTS, args.heads or W1_HEADS, W1_TABLE_TOKENS, args.head_dim)
 
 
 if __name__ == "__main__":
