@@ -132,6 +132,18 @@ def time_systems(model, batch: int, prompt: int, new: int, device: str, hf: bool
     return out
 
 
+def graphs_note(model) -> str:
+    """Whether pagedkv's generate() replayed CUDA graphs for `model` (a fallback model's capture
+    may fail: it then runs eagerly, and the error says why)."""
+    from pagedkv.runtime.model import prepared
+    state = prepared(model)
+    error = getattr(state.weights, "capture_error", None)
+    runner = state.fixed_batch.runner if state.fixed_batch is not None else None
+    if error is not None:
+        return f"eager ({error})"
+    return "as CUDA graphs" if runner is not None and runner.graphs else "eager"
+
+
 def row(label, batch, times, roofline_ms, extra=""):
     ours = times["pagedkv"]
     hf = times.get("HF eager")
@@ -207,7 +219,7 @@ def main() -> None:
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
             kv = (128 + args.new / 2) * kv_bytes_per_token(model.config, element)
             record(f"{args.fallback} shape (fallback)", 1, times, 1e3 * (weights + kv) / (copy_gbs * 1e9),
-                   f"path {times['path']}")
+                   f"path {times['path']}, decode steps {graphs_note(model)}")
             small = build(config_cls, shape, 2, device, torch.float32, 1024)
             ids = torch.randint(3, small.config.vocab_size, (1, 32), device=device)
             same = torch.equal(small.generate(ids, max_new_tokens=32, do_sample=False),

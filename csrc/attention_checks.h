@@ -6,6 +6,7 @@
 #include <torch/types.h>
 
 #include <cmath>
+#include <optional>
 
 #include "checks.h"
 
@@ -13,6 +14,29 @@ namespace pagedkv {
 
 // The CPU op takes every multiple of 16 up to 256; CUDA a few of them (check_cuda_head_dim).
 inline bool is_supported_head_dim(int64_t d) { return d >= 16 && d <= 256 && d % 16 == 0; }
+
+// An fp8 KV cache (e4m3: x stored as round(clamp(x / scale, -448, 448)), read as float(x) *
+// scale) next to a 16-bit or fp32 q. Its scales are one fp32 element each on q's device, read by
+// the kernels at run time (CUDA graphs see new values); a 16-bit cache takes none.
+inline bool is_fp8_cache(const at::Tensor& cache) { return cache.scalar_type() == at::kFloat8_e4m3fn; }
+
+inline void check_kv_scales(const at::Tensor& k_cache, const at::Tensor& q,
+                            const std::optional<at::Tensor>& k_scale,
+                            const std::optional<at::Tensor>& v_scale) {
+  if (!is_fp8_cache(k_cache)) {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "pagedkv: k_scale/v_scale were "
+                "given for a ", k_cache.scalar_type(), " cache; they apply to a torch.float8_e4m3fn "
+                "cache only (pass None)");
+    return;
+  }
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "pagedkv: the cache is "
+              "torch.float8_e4m3fn; pass k_scale and v_scale (one-element float32 tensors on q's device)");
+  for (const auto& [t, name] : {std::pair{&*k_scale, "k_scale"}, {&*v_scale, "v_scale"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, "pagedkv: ", name, " has dtype ",
+                t->scalar_type(), " and ", t->numel(), " elements; allowed: one torch.float32 element");
+    check_same_device(*t, q, name, "q");
+  }
+}
 
 // The options both ops share: a sliding window of keys and a logit softcap, 0 = off.
 inline void check_attention_options(int64_t sliding_window, double logit_softcap) {
@@ -42,8 +66,8 @@ inline void check_paged_kv_args(const at::Tensor& out, const at::Tensor& q,
                                 const char* q_rows, int64_t batch) {
   check_float_dtype(q, "q");
   check_same_dtype(out, q, "out", "q");
-  check_same_dtype(k_cache, q, "k_cache", "q");
-  check_same_dtype(v_cache, q, "v_cache", "q");
+  if (!is_fp8_cache(k_cache)) check_same_dtype(k_cache, q, "k_cache", "q");  // else check_kv_scales
+  check_same_dtype(v_cache, k_cache, "v_cache", "k_cache");
   for (const auto& [t, name] : {std::pair{&out, "out"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"},
                                 {&block_tables, "block_tables"}, {&context_lens, "context_lens"}}) {
     check_same_device(*t, q, name, "q");

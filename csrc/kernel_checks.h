@@ -4,6 +4,7 @@
 #include <optional>
 #include <vector>
 
+#include "attention_checks.h"
 #include "checks.h"
 #include "kernels/advance_decode_rows_rule.h"
 
@@ -43,7 +44,8 @@ inline void check_rope_and_write_kv_args(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
     const at::Tensor& cos_sin_cache, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& q_norm_weight,
-    const std::optional<at::Tensor>& k_norm_weight, double epsilon) {
+    const std::optional<at::Tensor>& k_norm_weight, double epsilon,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_float_dtype(q, "q");
   TORCH_CHECK(q.dim() == 3, "pagedkv: q must have shape [num_tokens, num_heads, head_dim], got ",
               q.sizes());
@@ -57,9 +59,11 @@ inline void check_rope_and_write_kv_args(
   TORCH_CHECK(num_kv_heads > 0 && q.size(1) % num_kv_heads == 0, "pagedkv: q has ", q.size(1),
               " heads and k has ", num_kv_heads, "; q's must be a multiple of k's");
   for (const auto& [t, name] : {std::pair{&k, "k"}, {&v, "v"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
-    check_same_dtype(*t, q, name, "q");
+    if (t == &k || t == &v || !is_fp8_cache(k_cache)) check_same_dtype(*t, q, name, "q");
     check_same_device(*t, q, name, "q");
   }
+  check_same_dtype(v_cache, k_cache, "v_cache", "k_cache");
+  check_kv_scales(k_cache, q, k_scale, v_scale);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
               "pagedkv: k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim] = "
               "[*, *, ", num_kv_heads, ", ", head_dim, "], got ", k_cache.sizes());

@@ -1,6 +1,8 @@
-// Argument checks of moe_gate_up_silu, moe_down_sum and moe_route, shared by the CPU and CUDA
+// Argument checks of moe_gate_up_silu, moe_down_sum and moe_topk, shared by the CPU and CUDA
 // implementations so both reject a bad call with the same message.
 #pragma once
+#include <algorithm>
+
 #include "checks.h"
 
 namespace pagedkv {
@@ -72,30 +74,30 @@ inline void check_moe_down_sum_args(const at::Tensor& out, const at::Tensor& act
   check_contiguous(out, "out");
 }
 
-// expert_ids [T, k] int64, weights [T, k] (float32 or x's dtype), x [T, D], router [E, D]; E at
-// most kMoeRouteMaxExperts (the CUDA kernel keeps a token's E probs in shared memory), 1 <= k <= E.
-inline void check_moe_route_args(const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& x,
-                                 const at::Tensor& router) {
-  constexpr int64_t kMaxExperts = 4096;  // kernels::kMoeRouteMaxExperts (kernels/moe_route.h)
-  check_float_dtype(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "pagedkv: x must have shape [num_tokens, hidden], got ", x.sizes());
-  check_contiguous(x, "x");
-  check_same_dtype(router, x, "router", "x");
-  check_same_device(router, x, "router", "x");
-  TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1), "pagedkv: router must have shape "
-              "[num_experts, hidden] = [E, ", x.size(1), "], got ", router.sizes());
-  TORCH_CHECK(router.size(0) >= 1 && router.size(0) <= kMaxExperts, "pagedkv: router has ", router.size(0),
+// expert_ids [T, k] int64, weights [T, k] (float32 or logits' dtype), logits [T, E]; E at most
+// kMoeTopkMaxExperts (the CUDA kernel keeps a token's E probs in shared memory), 1 <= k <=
+// min(E, kMoeTopkMaxK) (one warp holds the k picks, one a lane).
+inline void check_moe_topk_args(const at::Tensor& expert_ids, const at::Tensor& weights,
+                                const at::Tensor& logits) {
+  constexpr int64_t kMaxExperts = 4096;  // kernels::kMoeTopkMaxExperts (kernels/moe_topk.h)
+  constexpr int64_t kMaxK = 32;          // kernels::kMoeTopkMaxK
+  check_float_dtype(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "pagedkv: logits must have shape [num_tokens, num_experts], got ",
+              logits.sizes());
+  TORCH_CHECK(logits.size(1) >= 1 && logits.size(1) <= kMaxExperts, "pagedkv: logits has ", logits.size(1),
               " experts; allowed: 1 to ", kMaxExperts);
-  check_contiguous(router, "router");
-  check_expert_ids(expert_ids, x, x.size(0));
-  TORCH_CHECK(expert_ids.size(1) <= router.size(0), "pagedkv: top_k (expert_ids.shape[1]) is ",
-              expert_ids.size(1), "; allowed: 1 to ", router.size(0), " (the router's experts)");
-  TORCH_CHECK(weights.scalar_type() == at::kFloat || weights.scalar_type() == x.scalar_type(),
-              "pagedkv: weights has dtype ", weights.scalar_type(), "; allowed: torch.float32 or x's ",
-              x.scalar_type());
+  check_contiguous(logits, "logits");
+  check_expert_ids(expert_ids, logits, logits.size(0));
+  const int64_t max_k = std::min(logits.size(1), kMaxK);
+  TORCH_CHECK(expert_ids.size(1) <= max_k, "pagedkv: top_k (expert_ids.shape[1]) is ", expert_ids.size(1),
+              "; allowed: 1 to ", max_k, " (the logits' ", logits.size(1), " experts, and at most ", kMaxK,
+              ")");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat || weights.scalar_type() == logits.scalar_type(),
+              "pagedkv: weights has dtype ", weights.scalar_type(), "; allowed: torch.float32 or logits' ",
+              logits.scalar_type());
   check_same_shape(weights, expert_ids, "weights", "expert_ids");
   check_contiguous(weights, "weights");
-  check_same_device(weights, x, "weights", "x");
+  check_same_device(weights, logits, "weights", "logits");
 }
 
 }  // namespace pagedkv

@@ -24,10 +24,12 @@ TORCH_LIBRARY(pagedkv, m) {
   // out[b, h] = softmax(scale * q[b, h] . K) V over the context_lens[b] tokens block_tables[b] maps
   // to in k_cache/v_cache; workspace: fp32 split partials; num_splits 0: paged_decode_num_splits.
   // sliding_window > 0: only the last sliding_window tokens; logit_softcap > 0: scaled scores
-  // capped to cap * tanh(score / cap) (both ops).
+  // capped to cap * tanh(score / cap) (both ops). k_scale, v_scale: the fp32 scales of an fp8
+  // (e4m3) cache, K/V read as float(x) * scale (all three ops; None for a 16-bit cache).
   m.def("paged_decode_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor! workspace, "
-        "int num_splits=0, int sliding_window=0, float logit_softcap=0.0) -> ()");
+        "int num_splits=0, int sliding_window=0, float logit_softcap=0.0, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> ()");
   // The split count the CUDA path of paged_decode_attention picks from shapes and q's dtype
   // (host only).
   m.def("paged_decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int block_size, "
@@ -38,9 +40,10 @@ TORCH_LIBRARY(pagedkv, m) {
   // Decode-step kernels: RoPE + KV write, SiLU*mul, sampling, block copy (csrc/kernel_checks.h).
   // q, k rotated in place (HF rotate-half; optional per-head RMSNorm first); k, v written at
   // slot_mapping (int32, -1 = skip); positions int32; cos_sin_cache [max_position, rot_dim] f32.
+  // An fp8 cache stores round_to_e4m3(clamp(x / scale, -448, 448)).
   m.def("rope_and_write_kv(Tensor! q, Tensor! k, Tensor v, Tensor positions, Tensor cos_sin_cache, "
         "Tensor! k_cache, Tensor! v_cache, Tensor slot_mapping, Tensor? q_norm_weight, "
-        "Tensor? k_norm_weight, float epsilon) -> ()");
+        "Tensor? k_norm_weight, float epsilon, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   // out = act(x[..., :I]) * x[..., I:] with HF's rounding (act rounded, then the product);
   // activation "silu" or "gelu_tanh" (HF's gelu_pytorch_tanh).
   m.def("silu_and_mul(Tensor! out, Tensor x, str activation=\"silu\") -> ()");
@@ -65,7 +68,7 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("paged_prefill_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale, "
         "int max_query_len, Tensor(a!)? workspace=None, int sliding_window=0, "
-        "float logit_softcap=0.0) -> ()");
+        "float logit_softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   // The key splits the CUDA path of paged_prefill_attention picks from shapes, q's dtype and the
   // SM count (host only; max_tokens = max_blocks * block_size), and the fp32 floats of its
   // workspace (0 unsplit).
@@ -79,9 +82,9 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("moe_gate_up_silu(Tensor! out, Tensor x, Tensor gate_up, Tensor expert_ids) -> ()");
   // out[t] = sum_j weights[t, j] * (act[t, j] @ down[expert_ids[t, j]]^T) with HF's rounding.
   m.def("moe_down_sum(Tensor! out, Tensor act, Tensor down, Tensor expert_ids, Tensor weights) -> ()");
-  // HF's router in one op: ids [T, k] and weights [T, k] (float32 or x's dtype) of the top-k of
-  // softmax(x @ router^T in x's dtype) in fp32, divided by their sum if normalize.
-  m.def("moe_route(Tensor! expert_ids, Tensor! weights, Tensor x, Tensor router, bool normalize) -> ()");
+  // HF's router after its linear: ids [T, k] and weights [T, k] (float32 or logits' dtype) of the
+  // top-k of softmax(logits [T, E]) in fp32 (torch.topk's ties), divided by their sum if normalize.
+  m.def("moe_topk(Tensor! expert_ids, Tensor! weights, Tensor logits, bool normalize) -> ()");
 
   // Int4 weight-only linear (csrc/linear_w4a16_checks.h): out = x @ W^T, W [n, k] =
   // (q - zeros) * scales per group of group_size input columns, q packed 8 a word in packed.

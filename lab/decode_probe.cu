@@ -157,7 +157,7 @@ void run_point(const Point& p, const char* name, int forced_splits, int sms, boo
   const bool tensor_cores = paged_decode_tensor_cores(kD, sizeof(bf16));
   const int splits = forced_splits > 0 ? forced_splits
                                        : paged_decode_num_splits(p.batch, kHq, kHkv, kBlock,
-                                                                 max_blocks, sms, tensor_cores);
+                                                                 max_blocks, sms, tensor_cores, kD);
   const int64_t ws_floats = paged_decode_workspace_floats(p.batch, kHq, kD, splits);
   float* workspace = nullptr;
   if (ws_floats > 0) {

@@ -1,12 +1,15 @@
 """A tiny reference quantizer that writes one linear layer's random fp weight in the exact on-disk
-int4 formats (AWQ GEMM, GPTQ with/without its zero - 1 offset and act order), and each format's
-own dequantization formula, transcribed from the packages that define them (AutoAWQ's
+int4 formats (AWQ GEMM, GPTQ with/without its zero - 1 offset and act order; compressed-tensors'
+pack-quantized writer is shared with the benchmarks: pagedkv.tools.quant_writers), and each
+format's own dequantization formula, transcribed from the packages that define them (AutoAWQ's
 WQLinear_GEMM.pack / dequantize_gemm, AutoGPTQ's QuantLinear.pack and its torch forward). Written
 loop by loop as those packages do, independently of pagedkv.quant's vectorized reader."""
 
 from __future__ import annotations
 
 import torch
+
+from pagedkv.tools.quant_writers import to_int32
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: column 8c + order[i] -> bits 4i of word c
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # AutoAWQ's unpack: nibble order -> column order
@@ -24,11 +27,6 @@ def quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tens
     return q.clamp(0, 15).long().view(out_features, in_features), scales, zeros.long()
 
 
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    """uint32 values held in int64 -> the same bits as int32 (what the checkpoints store)."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 def to_awq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[str, torch.Tensor]:
     """AutoAWQ's GEMM packing: qweight [in, out/8], qzeros [in/g, out/8], scales [in/g, out]."""
     def pack(values: torch.Tensor) -> torch.Tensor:  # [r, out] -> [r, out/8]
@@ -36,7 +34,7 @@ def to_awq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[s
         for col in range(values.shape[1] // 8):
             for i in range(8):
                 words[:, col] |= values[:, col * 8 + AWQ_PACK_ORDER[i]] << (i * 4)
-        return _to_int32(words)
+        return to_int32(words)
 
     return {"qweight": pack(q.t()), "qzeros": pack(zeros.t()), "scales": scales.t().contiguous()}
 
@@ -83,7 +81,7 @@ def to_gptq(w: torch.Tensor, group_size: int, zero_offset: bool, desc_act: bool)
     for col in range(out_features // 8):
         for j in range(8):
             qzeros[:, col] |= stored[:, col * 8 + j] << (4 * j)
-    return {"qweight": _to_int32(qweight), "qzeros": _to_int32(qzeros), "scales": scales.t().contiguous(),
+    return {"qweight": to_int32(qweight), "qzeros": to_int32(qzeros), "scales": scales.t().contiguous(),
             "g_idx": g_idx}
 
 
@@ -97,24 +95,6 @@ def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     weight = weight.reshape(-1, qweight.shape[1])  # [in, out]
     g = g_idx.long()
     return (scales.float()[g] * (weight - zeros[g]).float()).t()
-
-
-def to_compressed_tensors_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16
-                               ) -> dict[str, torch.Tensor]:
-    """compressed-tensors' symmetric int4 "pack-quantized" layer (strategy "group"; group_size =
-    in for "channel"): scale = amax / 7.5 per group in scale_dtype, q = clamp(round(w / scale),
-    -8, 7), pack_to_int32 along the input: column 8w + i of a row in bits 4i of word w, as q + 8.
-    -> weight_packed [out, in/8] int32, weight_scale [out, in/g], weight_shape [2]."""
-    out_features, in_features = w.shape
-    groups = w.float().view(out_features, in_features // group_size, group_size)
-    scale = (groups.abs().amax(-1) / 7.5).clamp(min=1e-6).to(scale_dtype)
-    q = torch.round(groups / scale.float().unsqueeze(-1)).clamp(-8, 7).long().view(out_features, in_features)
-    unsigned = q + 8
-    packed = torch.zeros(out_features, in_features // 8, dtype=torch.int64)
-    for i in range(8):
-        packed |= unsigned[:, i::8] << (4 * i)
-    return {"weight_packed": _to_int32(packed), "weight_scale": scale,
-            "weight_shape": torch.tensor([out_features, in_features])}
 
 
 def compressed_tensors_int4_dequantize(weight_packed: torch.Tensor, weight_scale: torch.Tensor,

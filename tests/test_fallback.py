@@ -21,7 +21,7 @@ from conftest import DEVICES
 from pagedkv.models import fallback, registry
 from pagedkv.runtime.runner import cuda_graphs_wanted
 from models import widen
-from test_engine import assert_llm_gives_hf_greedy_tokens, assert_no_leaks, assert_nothing_held, random_prompts
+from test_engine import assert_llm_gives_hf_greedy_tokens, assert_nothing_held, random_prompts
 
 SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -116,7 +116,7 @@ def test_generate_gives_hf_greedy_tokens(model_type, device):
     ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=1)
     expected = model.generate(ids, attention_mask=mask, **GREEDY)  # [2, 19 + 16]
     assert_varied(expected[:, ids.shape[1]:])
-    got = pagedkv.generate(model, ids, attention_mask=mask, **GREEDY)  # eager, on CUDA too
+    got = pagedkv.generate(model, ids, attention_mask=mask, **GREEDY)  # CUDA graphs on CUDA
     assert torch.equal(got, expected)
     assert model.config._attn_implementation == own
     assert_nothing_held(model)
@@ -135,29 +135,19 @@ def test_llm_gives_hf_greedy_tokens(model_type):
     assert_llm_gives_hf_greedy_tokens(llm, model, prompts, GREEDY)
 
 
-@pytest.mark.cuda
-def test_llm_on_cuda_runs_eagerly():
-    model = tiny("gpt_neox", "cuda")
-    with pytest.raises(ValueError, match=r"use_cuda_graphs=True, but this model runs by its own HF modules"):
-        pagedkv.LLM(model, max_num_seqs=2, use_cuda_graphs=True)
-    with pytest.raises(ValueError, match=r"use_cuda_graphs=True, but this model runs by its own HF modules"):
-        pagedkv.generate(model, torch.tensor([[3, 4, 5]], device="cuda"), use_cuda_graphs=True, **GREEDY)
-    assert_nothing_held(model)
-    llm = pagedkv.LLM(model, max_num_seqs=2)
-    prompts = random_prompts([5, 19])
-    params = pagedkv.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    for prompt, tokens in zip(prompts, got):
-        assert tokens == model.generate(torch.tensor([prompt], device="cuda"), **GREEDY)[0, len(prompt):].tolist()
-    assert len(llm.runner.graphs) == 0
-    assert_no_leaks(llm)
-
-
-def test_cuda_graphs_asked_for_a_fallback_model_are_refused():
-    """use_cuda_graphs=True used to be ignored for a fallback model (it ran eagerly); now named."""
-    prepared = types.SimpleNamespace(device=torch.device("cuda", 0),
-                                     weights=fallback.FallbackWeights.__new__(fallback.FallbackWeights))
-    with pytest.raises(ValueError, match=r"use_cuda_graphs=True, but this model runs by its own HF modules"):
+def test_use_cuda_graphs_for_a_fallback_model():
+    """On by default and allowed with True (tests/test_fallback_graphs.py captures them) until a
+    decode step of the model failed to capture: then None runs eagerly and True raises, naming
+    the capture's error (it used to raise for every fallback model)."""
+    weights = fallback.fallback_weights(tiny("gpt_neox"))
+    prepared = types.SimpleNamespace(device=torch.device("cuda", 0), weights=weights)
+    assert cuda_graphs_wanted(None, prepared, "pagedkv.generate") is True
+    assert cuda_graphs_wanted(True, prepared, "pagedkv.generate") is True
+    assert cuda_graphs_wanted(False, prepared, "pagedkv.generate") is False
+    weights.capture_error = "RuntimeError: operation not permitted when stream is capturing"
+    with pytest.raises(ValueError, match=r"pagedkv.generate: use_cuda_graphs=True, but the decode step of "
+                                         r"GPTNeoXForCausalLM .* cannot be captured as a CUDA graph: "
+                                         r"RuntimeError: operation not permitted"):
         cuda_graphs_wanted(True, prepared, "pagedkv.generate")
     assert cuda_graphs_wanted(None, prepared, "pagedkv.generate") is False
     assert cuda_graphs_wanted(False, prepared, "pagedkv.generate") is False

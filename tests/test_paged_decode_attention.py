@@ -241,11 +241,11 @@ def test_split_and_no_split_paths_agree(num_splits):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cta_width_on_either_side_of_one_cta_per_sm(dtype, head_dim):
-    """A grid of at most one CTA per SM runs 8-warp CTAs on the tensor-core loop (64 KB of rings,
-    past the 48 KB default) unsplit or in splits of >= 512 tokens (merged across CTAs), one CTA
+    """A grid of at most one CTA per SM runs 8-warp CTAs on the tensor-core loop (64 KB of rings
+    at head_dim 128, 128 KB at 256: past the 48 KB default) unsplit or in splits of >= 512 tokens (merged across CTAs), one CTA
     more runs 4-warp CTAs: all match the reference, eagerly and replayed from a CUDA graph."""
     num_kv_heads = 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -343,10 +343,14 @@ def test_split_heuristic_from_shapes_only():
                                 head_dim, dtype)
             assert splits == expected, (batch, q_heads, kv_heads, max_blocks, dtype, splits)
             assert math.ceil(max_blocks / math.ceil(max_blocks / splits)) == splits
-    # head_dim 256 runs the CUDA-core loop at 16-bit dtypes too; fp16 plans as bf16 (on tensor
-    # cores 16x4096's 128 CTAs fill one per SM: unsplit, as 8-warp CTAs).
-    assert num_splits(16, 32, 8, 16, 256, num_sms, 256, torch.float16) == 3
+    # fp32 at head_dim 256 runs the CUDA-core loop; 16-bit dtypes at 64 and 256 the tensor-core
+    # one, fp16 planned as bf16 (16x4096's 128 CTAs fill one per SM: unsplit, as 8-warp CTAs).
+    assert num_splits(16, 32, 8, 16, 256, num_sms, 256, torch.float32) == 3
+    assert num_splits(16, 32, 8, 16, 256, num_sms, 256, torch.float16) == 1
     assert num_splits(16, 32, 8, 16, 256, num_sms, 64, torch.float16) == 1
+    # head_dim 256 on tensor cores: 2 CTAs per SM, and splits counted in bytes (Gemma-2-9B at
+    # batch 1, 16 q / 8 kv heads, 4130 tokens: 16 splits of 272 tokens, one 8-warp CTA per SM).
+    assert num_splits(1, 16, 8, 16, 259, num_sms, 256, torch.bfloat16) == 16
     for batch in (1, 3, 16, 100, 1000):
         for max_blocks in (2, 7, 64, 1000):
             for dtype in (torch.bfloat16, torch.float32):

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from int4_formats import compressed_tensors_int4_dequantize, to_compressed_tensors_int4
+from int4_formats import compressed_tensors_int4_dequantize
 from pagedkv.quant import dequantize, linear_w4a16_weight, pack_w4a16
 from pagedkv.quant.int4 import from_compressed_tensors_int4
+from pagedkv.tools.quant_writers import to_compressed_tensors_int4
 
 SHAPES = [(256, 64), (512, 200), (128, 8)]  # (in, out)
 GROUPS = [32, 128, -1]  # -1: strategy "channel", one group a row

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICES
-from fp8_formats import (compressed_tensors_dequantize, finegrained_dequantize, to_compressed_tensors,
-                         to_finegrained)
+from fp8_formats import compressed_tensors_dequantize, finegrained_dequantize, to_compressed_tensors
 from pagedkv.quant import (Fp8Weight, dequantize_fp8, from_compressed_tensors_fp8, from_finegrained_fp8, linear_fp8,
                            linear_fp8_weight)
+from pagedkv.tools.quant_writers import to_finegrained
 from tolerance import assert_close_to_baseline
 
 FORMAT_SHAPES = [(256, 128), (384, 200), (200, 72)]  # (in, out): partial edge blocks of 128

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICES
-from nf4_formats import NF4_CODE, bnb_dequantize, to_bnb_nf4
+from nf4_formats import bnb_dequantize
 from pagedkv.quant import Nf4Packed, Nf4Weight, dequantize_nf4, from_bnb_nf4, linear_nf4, linear_nf4_weight, pack_nf4
+from pagedkv.tools.quant_writers import NF4_CODE, to_bnb_nf4
 from tolerance import assert_close_to_baseline
 
 FORMAT_SHAPES = [(64, 8), (128, 24), (320, 17)]  # (in, out): at 17 rows, nested blocks of 32 (3, the last partial)

@@ -2,7 +2,7 @@
 block, UE8M0 and per-tensor scales; compressed-tensors float-quantized per channel, per tensor
 and per block), bitsandbytes NF4 (with and without double quantization) and compressed-tensors
 W4A16 (pack-quantized) checkpoints of tiny Llama-family models, written from random weights in
-the exact on-disk layouts (tests/fp8_formats.py, nf4_formats.py, int4_formats.py). pagedkv's
+the exact on-disk layouts (pagedkv.tools.quant_writers, tests/fp8_formats.py, int4_formats.py). pagedkv's
 greedy tokens equal HF's generate on a plain HF model holding the DEQUANTIZED weights (each
 format's own formula); weight_bytes counts the packed bytes; transformers' own loading of an
 FP8 folder (it dequantizes on the CPU) gives the same tokens; every unsupported field value is
@@ -19,26 +19,19 @@ import torch
 from safetensors.torch import save_file
 
 import pagedkv
-from fp8_formats import compressed_tensors_dequantize, finegrained_dequantize, to_compressed_tensors, to_finegrained
-from int4_formats import compressed_tensors_int4_dequantize, to_compressed_tensors_int4
+from fp8_formats import compressed_tensors_dequantize, finegrained_dequantize, to_compressed_tensors
+from int4_formats import compressed_tensors_int4_dequantize
 from models import tiny_model
-from nf4_formats import bnb_dequantize, to_bnb_nf4
+from nf4_formats import bnb_dequantize
 from pagedkv.quant import Fp8Weight, Nf4Packed, W4A16Weight
 from pagedkv.runtime.model import weight_bytes
+from pagedkv.tools.quant_writers import ct_config, to_bnb_nf4, to_compressed_tensors_int4, to_finegrained
 from test_engine import random_prompts
 from test_quantized_checkpoints import assert_cuda_generate_matches, assert_llm_matches
 
 GREEDY = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # parts of QKV or gate/up
-
-
-def ct_config(fmt: str, weights: dict, input_activations: dict | None = None) -> dict:
-    """A compressed-tensors quantization_config as llm-compressor writes it (one scheme)."""
-    group = {"targets": ["Linear"], "weights": {"symmetric": True, "dynamic": False, **weights},
-             "input_activations": input_activations, "output_activations": None}
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
 def fp8_block(block, ue8m0=False):

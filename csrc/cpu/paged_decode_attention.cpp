@@ -18,15 +18,18 @@
 namespace pagedkv {
 namespace {
 
-template <typename T>
+// C: the cache's element type, T or an fp8 one whose elements read as float(x) * scale
+// (k_scale, v_scale: 1 for a T cache).
+template <typename T, typename C>
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                  const at::Tensor& context_lens, float scale, int64_t window, float softcap) {
+                  const at::Tensor& context_lens, float scale, int64_t window, float softcap,
+                  float k_scale, float v_scale) {
   const int64_t batch = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const T* k_base = k_cache.const_data_ptr<T>();
-  const T* v_base = v_cache.const_data_ptr<T>();
+  const C* k_base = static_cast<const C*>(k_cache.const_data_ptr());
+  const C* v_base = static_cast<const C*>(v_cache.const_data_ptr());
   const int* tables = block_tables.const_data_ptr<int>();
   const int* lens = context_lens.const_data_ptr<int>();
   const T* q_base = q.const_data_ptr<T>();
@@ -42,7 +45,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       const int64_t n = ctx - lo;
       const int* table = tables + b * max_blocks;
-      auto cache_row = [&](const T* base, int64_t t) {
+      auto cache_row = [&](const C* base, int64_t t) {
         const int64_t block = table[t / block_size];
         return base + block * k_cache.stride(0) + t % block_size * k_cache.stride(1) +
                kv_head * k_cache.stride(2);
@@ -53,8 +56,8 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       }
       scores.resize(group * n);
       for (int64_t t = 0; t < n; ++t) {
-        const T* k = cache_row(k_base, lo + t);
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]);
+        const C* k = cache_row(k_base, lo + t);
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]) * k_scale;
         for (int64_t h = 0; h < group; ++h) {
           const float* qh = qf.data() + h * head_dim;
           float dot = 0.f;
@@ -74,8 +77,8 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       }
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int64_t t = 0; t < n; ++t) {
-        const T* v = cache_row(v_base, lo + t);
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]);
+        const C* v = cache_row(v_base, lo + t);
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]) * v_scale;
         for (int64_t h = 0; h < group; ++h) {
           const double p = scores[h * n + t];
           double* a = acc.data() + h * head_dim;
@@ -98,15 +101,24 @@ void paged_decode_attention_cpu(at::Tensor& out, const at::Tensor& q, const at::
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
                                 const at::Tensor& context_lens, double scale,
                                 at::Tensor& workspace, int64_t num_splits,
-                                int64_t sliding_window, double logit_softcap) {
+                                int64_t sliding_window, double logit_softcap,
+                                const std::optional<at::Tensor>& k_scale,
+                                const std::optional<at::Tensor>& v_scale) {
   check_paged_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, workspace,
                           num_splits);
+  check_kv_scales(k_cache, q, k_scale, v_scale);
+  const bool fp8 = is_fp8_cache(k_cache);
   check_attention_options(sliding_window, logit_softcap);
   check_tables(block_tables, context_lens, k_cache.size(1), k_cache.size(0));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode_attention_cpu", [&] {
-    paged_decode<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens,
-                           static_cast<float>(scale), sliding_window,
-                           static_cast<float>(logit_softcap));
+    const auto run = [&](auto cache_tag, float ks, float vs) {
+      paged_decode<scalar_t, decltype(cache_tag)>(out, q, k_cache, v_cache, block_tables,
+                                                  context_lens, static_cast<float>(scale),
+                                                  sliding_window, static_cast<float>(logit_softcap),
+                                                  ks, vs);
+    };
+    if (fp8) run(c10::Float8_e4m3fn(), k_scale->item<float>(), v_scale->item<float>());
+    else run(scalar_t(), 1.f, 1.f);
   });
 }
 
@@ -122,7 +134,7 @@ int64_t paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_
   const bool tensor_cores = kernels::paged_decode_tensor_cores(
       static_cast<int>(head_dim), static_cast<int>(c10::elementSize(dtype)));
   return kernels::paged_decode_num_splits(batch, num_q_heads, num_kv_heads, block_size,
-                                          max_blocks, num_sms, tensor_cores);
+                                          max_blocks, num_sms, tensor_cores, head_dim);
 }
 
 int64_t paged_decode_workspace_floats(int64_t batch, int64_t num_q_heads, int64_t head_dim,

@@ -37,17 +37,19 @@ void check_metadata(const at::Tensor& block_tables, const at::Tensor& context_le
   check_tables(block_tables, context_lens, block_size, num_blocks);
 }
 
-template <typename T>
+// C: the cache's element type, T or an fp8 one whose elements read as float(x) * scale
+// (k_scale, v_scale: 1 for a T cache).
+template <typename T, typename C>
 void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                    const at::Tensor& context_lens, const at::Tensor& query_start_loc,
-                   float scale, int64_t window, float softcap) {
+                   float scale, int64_t window, float softcap, float k_scale, float v_scale) {
   const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t group = num_q_heads / num_kv_heads;
-  const T* k_base = k_cache.const_data_ptr<T>();
-  const T* v_base = v_cache.const_data_ptr<T>();
+  const C* k_base = static_cast<const C*>(k_cache.const_data_ptr());
+  const C* v_base = static_cast<const C*>(v_cache.const_data_ptr());
   const int* tables = block_tables.const_data_ptr<int>();
   const int* lens = context_lens.const_data_ptr<int>();
   const int* qsl = query_start_loc.const_data_ptr<int>();
@@ -64,7 +66,7 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       const int64_t b = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t ctx = lens[b], first = qsl[b], q_len = qsl[b + 1] - first;
       const int* table = tables + b * max_blocks;
-      auto cache_row = [&](const T* base, int64_t t) {
+      auto cache_row = [&](const C* base, int64_t t) {
         const int64_t block = table[t / block_size];
         return base + block * k_cache.stride(0) + t % block_size * k_cache.stride(1) +
                kv_head * k_cache.stride(2);
@@ -84,8 +86,8 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         }
         scores.resize(rows * keys);
         for (int64_t t = k0; t < keys; ++t) {
-          const T* k = cache_row(k_base, t);
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]);
+          const C* k = cache_row(k_base, t);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]) * k_scale;
           for (int64_t r = 0; r < rows; ++r) {
             float dot = kMasked;
             if (t <= pos[r] && (window == 0 || pos[r] - t < window)) {
@@ -111,8 +113,8 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         }
         std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.0);
         for (int64_t t = k0; t < keys; ++t) {
-          const T* v = cache_row(v_base, t);
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]);
+          const C* v = cache_row(v_base, t);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]) * v_scale;
           for (int64_t r = 0; r < rows; ++r) {
             const double p = scores[r * keys + t];
             if (p == 0.0) continue;
@@ -140,16 +142,25 @@ void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& q, const at:
                                  const at::Tensor& query_start_loc, double scale,
                                  int64_t max_query_len,
                                  const std::optional<at::Tensor>& workspace,
-                                 int64_t sliding_window, double logit_softcap) {
+                                 int64_t sliding_window, double logit_softcap,
+                                 const std::optional<at::Tensor>& k_scale,
+                                 const std::optional<at::Tensor>& v_scale) {
   check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            max_query_len, workspace);
+  check_kv_scales(k_cache, q, k_scale, v_scale);
+  const bool fp8 = is_fp8_cache(k_cache);
   check_attention_options(sliding_window, logit_softcap);
   check_metadata(block_tables, context_lens, query_start_loc, q.size(0), max_query_len,
                  k_cache.size(1), k_cache.size(0));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_prefill_attention_cpu", [&] {
-    paged_prefill<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens,
-                            query_start_loc, static_cast<float>(scale), sliding_window,
-                            static_cast<float>(logit_softcap));
+    const auto run = [&](auto cache_tag, float ks, float vs) {
+      paged_prefill<scalar_t, decltype(cache_tag)>(out, q, k_cache, v_cache, block_tables,
+                                                   context_lens, query_start_loc,
+                                                   static_cast<float>(scale), sliding_window,
+                                                   static_cast<float>(logit_softcap), ks, vs);
+    };
+    if (fp8) run(c10::Float8_e4m3fn(), k_scale->item<float>(), v_scale->item<float>());
+    else run(scalar_t(), 1.f, 1.f);
   });
 }
 

@@ -1,10 +1,12 @@
 // CPU rope_and_write_kv: the CUDA kernel's arithmetic, element by element. Rounding follows HF's
 // `q * cos + rotate_half(q) * sin` in the model dtype T (cos/sin cast to T, each product rounded
 // to T, the sum rounded to T); the optional per-head norm is HF's RMSNorm (fp32, round, scale).
+// An fp8 cache gets the rounded K/V divided by their scale, clamped and rounded to e4m3.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -42,15 +44,28 @@ void rope_head(T* x, const float* cos, const float* sin, int rot_dim, int head_d
   for (int i = 0; i < head_dim; ++i) x[i] = static_cast<T>(y[i]);
 }
 
+// One head of an fp8 cache: round_to_e4m3(clamp(x / scale, -448, 448)), as torch's
+// (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).
+template <typename T>
+void store_fp8(c10::Float8_e4m3fn* dst, const T* x, float scale, int head_dim) {
+  for (int i = 0; i < head_dim; ++i) {
+    dst[i] = static_cast<c10::Float8_e4m3fn>(std::clamp(static_cast<float>(x[i]) / scale, -448.f, 448.f));
+  }
+}
+
 }  // namespace
 
 void rope_and_write_kv_cpu(at::Tensor& q, at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                            const std::optional<at::Tensor>& q_norm_weight,
-                           const std::optional<at::Tensor>& k_norm_weight, double epsilon) {
+                           const std::optional<at::Tensor>& k_norm_weight, double epsilon,
+                           const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   check_rope_and_write_kv_args(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                               q_norm_weight, k_norm_weight, epsilon);
+                               q_norm_weight, k_norm_weight, epsilon, k_scale, v_scale);
+  const bool fp8 = is_fp8_cache(k_cache);
+  const float ks = fp8 ? k_scale->item<float>() : 1.f, vs = fp8 ? v_scale->item<float>() : 1.f;
   const int64_t num_tokens = q.size(0);
   const int num_q_heads = static_cast<int>(q.size(1));
   const int num_kv_heads = static_cast<int>(k.size(1));
@@ -72,8 +87,8 @@ void rope_and_write_kv_cpu(at::Tensor& q, at::Tensor& k, const at::Tensor& v,
     T* q_ptr = q.data_ptr<T>();
     T* k_ptr = k.data_ptr<T>();
     const T* v_ptr = v.const_data_ptr<T>();
-    T* k_out = k_cache.data_ptr<T>();
-    T* v_out = v_cache.data_ptr<T>();
+    void* k_out = k_cache.data_ptr();
+    void* v_out = v_cache.data_ptr();
     const T* q_w = q_norm_weight ? q_norm_weight->const_data_ptr<T>() : nullptr;
     const T* k_w = k_norm_weight ? k_norm_weight->const_data_ptr<T>() : nullptr;
     const float eps = static_cast<float>(epsilon);
@@ -91,8 +106,14 @@ void rope_and_write_kv_cpu(at::Tensor& q, at::Tensor& k, const at::Tensor& v,
           rope_head(k_head, cos, sin, rot_dim, head_dim, k_w, eps, scratch.data());
           if (slots[t] < 0) continue;  // padding: rotate, but write nothing
           const int64_t offset = (static_cast<int64_t>(slots[t]) * num_kv_heads + h) * head_dim;
-          std::memcpy(k_out + offset, k_head, head_dim * sizeof(T));
-          std::memcpy(v_out + offset, v_ptr + t * v.stride(0) + h * head_dim, head_dim * sizeof(T));
+          const T* v_head = v_ptr + t * v.stride(0) + h * head_dim;
+          if (fp8) {
+            store_fp8(static_cast<c10::Float8_e4m3fn*>(k_out) + offset, k_head, ks, head_dim);
+            store_fp8(static_cast<c10::Float8_e4m3fn*>(v_out) + offset, v_head, vs, head_dim);
+          } else {
+            std::memcpy(static_cast<T*>(k_out) + offset, k_head, head_dim * sizeof(T));
+            std::memcpy(static_cast<T*>(v_out) + offset, v_head, head_dim * sizeof(T));
+          }
         }
       }
     });

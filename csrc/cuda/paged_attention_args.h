@@ -4,6 +4,7 @@
 
 #include "cuda/torch_utils.h"
 #include "kernels/paged_attention_args.h"
+#include "kernels/paged_decode_attention_fp8.h"
 
 namespace pagedkv {
 
@@ -48,6 +49,26 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
   args.scale = static_cast<float>(scale);
   args.sliding_window = static_cast<int>(sliding_window);
   args.logit_softcap = static_cast<float>(logit_softcap);
+}
+
+// An fp8 (e4m3) cache: the simple kernel of kernels/paged_decode_attention_fp8.h, for both ops
+// (query_start_loc undefined: decode). The op's checks (check_kv_scales) have run.
+inline void launch_paged_attention_fp8(at::Tensor& out, const at::Tensor& q,
+                                       const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables,
+                                       const at::Tensor& context_lens,
+                                       const at::Tensor* query_start_loc, double scale,
+                                       int64_t sliding_window, double logit_softcap,
+                                       const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  kernels::PagedFp8Args args{};
+  fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
+                            sliding_window, logit_softcap);
+  args.query_start_loc = query_start_loc ? query_start_loc->const_data_ptr<int>() : nullptr;
+  args.num_rows = static_cast<int>(q.size(0));
+  args.k_scale = k_scale.const_data_ptr<float>();
+  args.v_scale = v_scale.const_data_ptr<float>();
+  const c10::cuda::CUDAGuard guard(q.device());
+  C10_CUDA_CHECK(kernels::paged_attention_fp8(args, kernel_dtype(q), c10::cuda::getCurrentCUDAStream()));
 }
 
 // The kernels' view of a split workspace whose size the launcher has checked: null when the

@@ -18,7 +18,7 @@ int64_t auto_num_splits(const at::Tensor& q, const at::Tensor& k_cache,
   const bool tensor_cores = kernels::paged_decode_tensor_cores(
       static_cast<int>(q.size(2)), static_cast<int>(q.element_size()));
   return kernels::paged_decode_num_splits(q.size(0), q.size(1), k_cache.size(2), k_cache.size(1),
-                                          block_tables.size(1), num_sms, tensor_cores);
+                                          block_tables.size(1), num_sms, tensor_cores, q.size(2));
 }
 
 }  // namespace
@@ -27,12 +27,20 @@ void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at:
                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                                  const at::Tensor& context_lens, double scale,
                                  at::Tensor& workspace, int64_t num_splits,
-                                 int64_t sliding_window, double logit_softcap) {
+                                 int64_t sliding_window, double logit_softcap,
+                                 const std::optional<at::Tensor>& k_scale,
+                                 const std::optional<at::Tensor>& v_scale) {
   check_paged_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, workspace,
                           num_splits);
+  check_kv_scales(k_cache, q, k_scale, v_scale);
   check_attention_options(sliding_window, logit_softcap);
   check_cuda_head_dim(q.size(2));
   check_cuda(q, "q");
+  if (is_fp8_cache(k_cache)) {  // no splits: the workspace is not used
+    launch_paged_attention_fp8(out, q, k_cache, v_cache, block_tables, context_lens, nullptr,
+                               scale, sliding_window, logit_softcap, *k_scale, *v_scale);
+    return;
+  }
   kernels::PagedDecodeArgs args{};
   fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
                             sliding_window, logit_softcap);

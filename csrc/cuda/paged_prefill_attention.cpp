@@ -17,13 +17,22 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
                                   const at::Tensor& query_start_loc, double scale,
                                   int64_t max_query_len,
                                   const std::optional<at::Tensor>& workspace,
-                                  int64_t sliding_window, double logit_softcap) {
+                                  int64_t sliding_window, double logit_softcap,
+                                  const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale) {
   check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            max_query_len, workspace);
+  check_kv_scales(k_cache, q, k_scale, v_scale);
   check_attention_options(sliding_window, logit_softcap);
   check_cuda_head_dim(q.size(2));
   check_cuda(q, "q");
   if (q.size(0) == 0) return;
+  if (is_fp8_cache(k_cache)) {  // no key splits: a workspace is not needed
+    launch_paged_attention_fp8(out, q, k_cache, v_cache, block_tables, context_lens,
+                               &query_start_loc, scale, sliding_window, logit_softcap, *k_scale,
+                               *v_scale);
+    return;
+  }
   const c10::cuda::CUDAGuard guard(q.device());
 
   kernels::PagedPrefillArgs args{};

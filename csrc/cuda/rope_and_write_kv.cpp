@@ -12,9 +12,11 @@ void rope_and_write_kv_cuda(at::Tensor& q, at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                             const std::optional<at::Tensor>& q_norm_weight,
-                            const std::optional<at::Tensor>& k_norm_weight, double epsilon) {
+                            const std::optional<at::Tensor>& k_norm_weight, double epsilon,
+                            const std::optional<at::Tensor>& k_scale,
+                            const std::optional<at::Tensor>& v_scale) {
   check_rope_and_write_kv_args(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                               q_norm_weight, k_norm_weight, epsilon);
+                               q_norm_weight, k_norm_weight, epsilon, k_scale, v_scale);
   check_cuda(q, "q");
   const c10::cuda::CUDAGuard guard(q.device());
   kernels::RopeArgs args{};
@@ -32,6 +34,9 @@ void rope_and_write_kv_cuda(at::Tensor& q, at::Tensor& k, const at::Tensor& v,
   args.q_norm_weight = q_norm_weight ? q_norm_weight->const_data_ptr() : nullptr;
   args.k_norm_weight = k_norm_weight ? k_norm_weight->const_data_ptr() : nullptr;
   args.epsilon = static_cast<float>(epsilon);
+  const bool fp8 = is_fp8_cache(k_cache);  // check_kv_scales: then both scales are given
+  args.k_scale = fp8 ? k_scale->const_data_ptr<float>() : nullptr;
+  args.v_scale = fp8 ? v_scale->const_data_ptr<float>() : nullptr;
   args.num_tokens = static_cast<int>(q.size(0));
   args.num_q_heads = static_cast<int>(q.size(1));
   args.num_kv_heads = static_cast<int>(k.size(1));

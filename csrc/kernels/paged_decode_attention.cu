@@ -4,11 +4,11 @@
 // splits of >= 512 tokens: paged_decode_warps) take turns over the split's tokens, each with its
 // own fp32 online softmax (max, sum, output), merged through shared memory at the end. Two main
 // loops:
-//   - tensor cores (paged_decode_attention_mma.cuh; bf16/fp16 at head_dim 64 and 128, so W1 and
+//   - tensor cores (paged_decode_attention_mma.cuh; bf16/fp16 at head_dim 64, 128 and 256, so W1 and
 //     W3):
 //     per warp a 2-stage cp.async ring of 8-token K/V tiles, scores and the weighted sum as
-//     mma.sync tiles (at most 125 registers, 4 CTAs of 4 warps per SM);
-//   - CUDA cores (paged_decode_attention_simt.cuh; fp32, head_dim 80, 96 and 256): lanes share a
+//     mma.sync tiles (at most 125 registers, 4 CTAs of 4 warps per SM; 2 at head_dim 256);
+//   - CUDA cores (paged_decode_attention_simt.cuh; fp32, and 16-bit at head_dim 80 and 96): lanes share a
 //     token row with 16-byte loads, several tokens side by side, merged by shuffles.
 // Scores are kept in log2 units (the query is pre-scaled by scale * log2(e)), so exp2 suffices.
 // A sliding window (args.sliding_window) starts each sequence at its first key: the splits before
@@ -73,7 +73,7 @@ constexpr int smem_bytes() {
 // W: warps per CTA, kWarps or (tensor cores only) 8 (paged_decode_warps); the launch bounds keep
 // the registers of kWarps-warp CTAs at the same warps per SM.
 template <typename T, int D, int G, bool kMma, int W>
-__global__ void __launch_bounds__(W * 32, paged_ctas_per_sm(G, kMma) * kWarps / W)
+__global__ void __launch_bounds__(W * 32, paged_ctas_per_sm(G, kMma, D) * kWarps / W)
 paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   begin_dependent_kernel();
   static_assert(W == kWarps || kMma, "the CUDA-core loop runs kWarps warps");
@@ -300,7 +300,7 @@ cudaError_t paged_decode_attention(const PagedDecodeArgs& a, DType dtype, cudaSt
   const int64_t ctas = static_cast<int64_t>(a.batch) * a.num_kv_heads * a.num_splits * g.chunks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
   // 8 on tensor cores only (launch_main).
-  const int warps = paged_decode_warps(a.num_splits, ctas, a.num_sms, plan.tokens_per_split);
+  const int warps = paged_decode_warps(a.num_splits, ctas, a.num_sms, plan.tokens_per_split, a.head_dim);
 
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

@@ -10,19 +10,21 @@ namespace pagedkv::kernels {
 inline constexpr int kPagedMaxGroup = 8;     // query heads one CTA serves; larger groups chunked
 
 // Whether the kernel runs its tensor-core main loop (kernels/paged_decode_attention_mma.cuh):
-// bf16/fp16 at head_dim 64 or 128. Other shapes and fp32 take the CUDA-core loop (at head_dim 256
-// the tensor-core loop's Q fragments and O accumulators, 96 registers, spill at 3-4 CTAs per SM).
+// bf16/fp16 at head_dim 64, 128 or 256. Other shapes and fp32 take the CUDA-core loop. At head_dim
+// 256 the loop's Q fragments and O accumulators take 96 registers, which spill at 3-4 CTAs per SM,
+// so those CTAs run 2 per SM (paged_ctas_per_sm); the CUDA-core loop there peaks at ~1.7 TB/s
+// (its per-token shuffles, not its loads, bound it: H100, session 25).
 constexpr bool paged_decode_tensor_cores(int head_dim, int elem_bytes) {
-  return elem_bytes == 2 && (head_dim == 64 || head_dim == 128);
+  return elem_bytes == 2 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
 // CTAs of 128 threads resident per SM: the kernel's launch bounds hold its registers to this
 // (65536 / (128 * n) per thread: 128, 170, 255), and the split heuristic plans with it. On the
 // CUDA-core loop each query head of the group costs a lane 2 x 8 fp32 registers (query and output
 // slices); the tensor-core loop needs at most 116 at any group and 32 KB of shared memory: 4 CTAs
-// (of 4 warps; 2 of the 8-warp CTAs paged_decode_warps picks).
-constexpr int paged_ctas_per_sm(int padded_group, bool tensor_cores) {
-  return tensor_cores ? 4 : padded_group >= 8 ? 2 : padded_group >= 4 ? 3 : 4;
+// (of 4 warps; 2 of the 8-warp CTAs paged_decode_warps picks) up to head_dim 128, 2 at 256.
+constexpr int paged_ctas_per_sm(int padded_group, bool tensor_cores, int head_dim = 128) {
+  return tensor_cores ? (head_dim > 128 ? 2 : 4) : padded_group >= 8 ? 2 : padded_group >= 4 ? 3 : 4;
 }
 
 // How a kv head's group of query heads is cut into CTAs: `chunks` CTAs of at most
@@ -73,11 +75,13 @@ inline constexpr int64_t kWideSplitTokens = 512;
 
 // Warps per CTA on the tensor-core loop (the CUDA-core loop always runs 4): 8 when the grid has at
 // most one CTA per SM, so no SM has a second CTA's warps to keep its loads in flight, and is
-// unsplit or split into pieces of >= kWideSplitTokens; else 4. `ctas` counts the CTAs of the
-// launch (with its splits and head chunks), `split_tokens` the tokens of a split.
+// unsplit or split into pieces of >= kWideSplitTokens (counted in head_dim-128 tokens: a token of
+// head_dim 256 is two); else 4. `ctas` counts the CTAs of the launch (with its splits and head
+// chunks), `split_tokens` the tokens of a split.
 inline int paged_decode_warps(int64_t num_splits, int64_t ctas, int64_t num_sms,
-                              int64_t split_tokens) {
-  return ctas <= num_sms && (num_splits == 1 || split_tokens >= kWideSplitTokens) ? 8 : 4;
+                              int64_t split_tokens, int64_t head_dim = 128) {
+  const int64_t wide = split_tokens * std::max<int64_t>(head_dim, 128) / 128;
+  return ctas <= num_sms && (num_splits == 1 || wide >= kWideSplitTokens) ? 8 : 4;
 }
 
 // Splits of each sequence's context (>= 1), from shapes only. Every SM should stream K/V, but a
@@ -96,7 +100,7 @@ inline int paged_decode_warps(int64_t num_splits, int64_t ctas, int64_t num_sms,
 // 2026-11-24: W3 16, 32, 48, 12, 3, 3, 1.)
 inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                                    int64_t block_size, int64_t max_blocks, int64_t num_sms,
-                                   bool tensor_cores) {
+                                   bool tensor_cores, int64_t head_dim = 128) {
   if (batch <= 0 || num_kv_heads <= 0 || num_q_heads < num_kv_heads || block_size <= 0 ||
       max_blocks <= 1 || num_sms <= 0) {
     return 1;
@@ -104,8 +108,9 @@ inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t n
   const HeadGroups g =
       paged_head_groups(static_cast<int>(num_q_heads), static_cast<int>(num_kv_heads));
   const int64_t ctas = batch * num_kv_heads * g.chunks;  // unsplit
-  const int max_per_sm = paged_ctas_per_sm(g.padded, tensor_cores);
-  const int64_t min_tokens = tensor_cores ? 768 : 256;  // per split, per CTA an SM adds
+  const int max_per_sm = paged_ctas_per_sm(g.padded, tensor_cores, static_cast<int>(head_dim));
+  // per split, per CTA an SM adds; tensor cores: 768 tokens of head_dim 128, as many bytes above
+  const int64_t min_tokens = tensor_cores ? 768 * 128 / std::max<int64_t>(head_dim, 128) : 256;
   if (ctas >= 4 * num_sms * max_per_sm) return 1;
   int64_t splits = paged_splits_filling(ctas, num_sms, max_blocks);
   // A grid that fills one CTA per SM runs so, as 8-warp CTAs on tensor cores, when they are wide
@@ -113,7 +118,7 @@ inline int paged_decode_num_splits(int64_t batch, int64_t num_q_heads, int64_t n
   // prologue cost (16x4096: 93.4 us unsplit against 95.1 at 2 splits of 4-warp CTAs, session
   // 10; 1x32768: 51.9 us at 16 splits of 8-warp CTAs against 52.5-52.7 at 32 of 4, session 11).
   const int64_t split_tokens = paged_blocks_per_split(max_blocks, splits) * block_size;
-  if (tensor_cores && paged_decode_warps(splits, ctas * splits, num_sms, split_tokens) == 8) {
+  if (tensor_cores && paged_decode_warps(splits, ctas * splits, num_sms, split_tokens, head_dim) == 8) {
     return static_cast<int>(splits);
   }
   for (int per_sm = 2; per_sm <= max_per_sm; ++per_sm) {

@@ -6,7 +6,13 @@
 // dtype T with cos/sin cast to T, i.e. each product is rounded to T and their sum is rounded to
 // T; fp32 uses __fmul_rn/__fadd_rn so no FMA contraction changes the rounding. The optional norm
 // is HF's RMSNorm (Qwen3's q_norm/k_norm): normalize in fp32, round to T, times weight, round.
+// The cache element type C is T, or __nv_fp8_e4m3 (K/V divided by their scale, clamped to
+// +-448 and rounded to nearest even, as torch's .to(torch.float8_e4m3fn)); a T cache's code is
+// the same as without the fp8 option (store_cache's other branch is compiled out).
+#include <cuda_fp8.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common.cuh"
 #include "kernels/dependent_launch.cuh"
@@ -29,6 +35,20 @@ __device__ __forceinline__ float rms_scale(float x, float inv_rms, T weight) {
   return mul_round<T>(to_float(weight), round_to<T>(__fmul_rn(x, inv_rms)));
 }
 
+// kVec elements of a K/V head into the cache: as they are (C == T), or as e4m3 of x / scale.
+template <typename C, typename T, int kVec>
+__device__ __forceinline__ void store_cache(C* dst, const Vec<T, kVec>& x, float scale) {
+  if constexpr (std::is_same_v<C, T>) {
+    *reinterpret_cast<Vec<T, kVec>*>(dst) = x;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float y = fminf(fmaxf(__fdiv_rn(to_float(x.v[j]), scale), -448.f), 448.f);
+      dst[j].__x = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
+    }
+  }
+}
+
 // Lanes [base, base + G) of the warp, where base is this lane's group start.
 __device__ __forceinline__ unsigned group_mask(int group_size) {
   if (group_size == 32) return 0xffffffffu;
@@ -36,7 +56,7 @@ __device__ __forceinline__ unsigned group_mask(int group_size) {
   return ((1u << group_size) - 1) << base;
 }
 
-template <typename T, int kVec, bool kNorm>
+template <typename T, typename C, int kVec, bool kNorm>
 __global__ void __launch_bounds__(kThreads) rope_and_write_kv_kernel(const RopeArgs a, int group_size) {
   begin_dependent_kernel();
   using V = Vec<T, kVec>;
@@ -61,7 +81,14 @@ __global__ void __launch_bounds__(kThreads) rope_and_write_kv_kernel(const RopeA
   T* x = is_q ? static_cast<T*>(a.q) + token * a.q_stride + static_cast<int64_t>(head) * D
               : static_cast<T*>(a.k) + token * a.k_stride + static_cast<int64_t>(kv_head) * D;
   const int64_t cache_offset = (slot * a.num_kv_heads + kv_head) * D;
-  T* k_out = write ? static_cast<T*>(a.k_cache) + cache_offset : nullptr;
+  C* k_out = write ? static_cast<C*>(a.k_cache) + cache_offset : nullptr;
+  float k_scale = 1.f, v_scale = 1.f;  // read only for an fp8 cache
+  if constexpr (!std::is_same_v<C, T>) {
+    if (write) {
+      k_scale = *a.k_scale;
+      v_scale = *a.v_scale;
+    }
+  }
   const T* w = kNorm ? static_cast<const T*>(is_q ? a.q_norm_weight : a.k_norm_weight) : nullptr;
   const bool norm = kNorm && w != nullptr;
   const V* w_vec = reinterpret_cast<const V*>(w);
@@ -111,8 +138,8 @@ __global__ void __launch_bounds__(kThreads) rope_and_write_kv_kernel(const RopeA
     *reinterpret_cast<V*>(x + i) = x1;
     *reinterpret_cast<V*>(x + half + i) = x2;
     if (write) {
-      *reinterpret_cast<V*>(k_out + i) = x1;
-      *reinterpret_cast<V*>(k_out + half + i) = x2;
+      store_cache(k_out + i, x1, k_scale);
+      store_cache(k_out + half + i, x2, k_scale);
     }
   }
 
@@ -126,16 +153,41 @@ __global__ void __launch_bounds__(kThreads) rope_and_write_kv_kernel(const RopeA
         for (int j = 0; j < kVec; ++j) xv.v[j] = from_float<T>(rms_scale(to_float(xv.v[j]), inv_rms, wv.v[j]));
         reinterpret_cast<V*>(x)[c] = xv;
       }
-      if (write) reinterpret_cast<V*>(k_out)[c] = xv;
+      if (write) store_cache(k_out + c * kVec, xv, k_scale);
     }
   }
 
   if (write) {
     const V* v_in = reinterpret_cast<const V*>(static_cast<const T*>(a.v) + token * a.v_stride +
                                                static_cast<int64_t>(kv_head) * D);
-    V* v_out = reinterpret_cast<V*>(static_cast<T*>(a.v_cache) + cache_offset);
-    for (int c = lane; c < D / kVec; c += G) v_out[c] = v_in[c];
+    C* v_out = static_cast<C*>(a.v_cache) + cache_offset;
+    for (int c = lane; c < D / kVec; c += G) store_cache(v_out + c * kVec, v_in[c], v_scale);
   }
+}
+
+template <typename T, typename C>
+cudaError_t launch(const RopeArgs& a, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vectorized =
+      a.head_dim % kVec == 0 && (a.rot_dim / 2) % kVec == 0 && a.q_stride % kVec == 0 &&
+      a.k_stride % kVec == 0 && a.v_stride % kVec == 0 && aligned16(a.q) && aligned16(a.k) &&
+      aligned16(a.v) && aligned16(a.k_cache) && aligned16(a.v_cache) &&
+      aligned16(a.q_norm_weight) && aligned16(a.k_norm_weight);  // nullptr counts as aligned
+  const int chunks = a.head_dim / (vectorized ? kVec : 1);
+  int group_size = 1;  // about two chunks per lane
+  while (group_size < 32 && group_size * 4 <= chunks) group_size *= 2;
+  const int64_t items = static_cast<int64_t>(a.num_tokens) * (a.num_q_heads + a.num_kv_heads);
+  const int64_t items_per_block = kThreads / group_size;
+  const dim3 grid(static_cast<unsigned>((items + items_per_block - 1) / items_per_block));
+  const bool norm = a.q_norm_weight != nullptr || a.k_norm_weight != nullptr;
+  if (vectorized) {
+    if (norm) launch_dependent(rope_and_write_kv_kernel<T, C, kVec, true>, grid, kThreads, 0, stream, a, group_size);
+    else launch_dependent(rope_and_write_kv_kernel<T, C, kVec, false>, grid, kThreads, 0, stream, a, group_size);
+  } else {
+    if (norm) launch_dependent(rope_and_write_kv_kernel<T, C, 1, true>, grid, kThreads, 0, stream, a, group_size);
+    else launch_dependent(rope_and_write_kv_kernel<T, C, 1, false>, grid, kThreads, 0, stream, a, group_size);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -144,27 +196,7 @@ cudaError_t rope_and_write_kv(const RopeArgs& a, DType dtype, cudaStream_t strea
   if (a.num_tokens == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    constexpr int kVec = 16 / sizeof(T);
-    const bool vectorized =
-        a.head_dim % kVec == 0 && (a.rot_dim / 2) % kVec == 0 && a.q_stride % kVec == 0 &&
-        a.k_stride % kVec == 0 && a.v_stride % kVec == 0 && aligned16(a.q) && aligned16(a.k) &&
-        aligned16(a.v) && aligned16(a.k_cache) && aligned16(a.v_cache) &&
-        aligned16(a.q_norm_weight) && aligned16(a.k_norm_weight);  // nullptr counts as aligned
-    const int chunks = a.head_dim / (vectorized ? kVec : 1);
-    int group_size = 1;  // about two chunks per lane
-    while (group_size < 32 && group_size * 4 <= chunks) group_size *= 2;
-    const int64_t items = static_cast<int64_t>(a.num_tokens) * (a.num_q_heads + a.num_kv_heads);
-    const int64_t items_per_block = kThreads / group_size;
-    const dim3 grid(static_cast<unsigned>((items + items_per_block - 1) / items_per_block));
-    const bool norm = a.q_norm_weight != nullptr || a.k_norm_weight != nullptr;
-    if (vectorized) {
-      if (norm) launch_dependent(rope_and_write_kv_kernel<T, kVec, true>, grid, kThreads, 0, stream, a, group_size);
-      else launch_dependent(rope_and_write_kv_kernel<T, kVec, false>, grid, kThreads, 0, stream, a, group_size);
-    } else {
-      if (norm) launch_dependent(rope_and_write_kv_kernel<T, 1, true>, grid, kThreads, 0, stream, a, group_size);
-      else launch_dependent(rope_and_write_kv_kernel<T, 1, false>, grid, kThreads, 0, stream, a, group_size);
-    }
-    return cudaGetLastError();
+    return a.k_scale != nullptr ? launch<T, __nv_fp8_e4m3>(a, stream) : launch<T, T>(a, stream);
   });
 }
 

@@ -22,6 +22,10 @@ struct RopeArgs {
   const void* q_norm_weight;    // [head_dim] or nullptr (no per-head RMSNorm of q)
   const void* k_norm_weight;    // [head_dim] or nullptr
   float epsilon;
+  // An fp8 (e4m3) cache: each K/V element stored as round(clamp(x / scale, -448, 448)), the
+  // scales read from these one-element device buffers. Both nullptr: a cache of q's dtype.
+  const float* k_scale;
+  const float* v_scale;
   int num_tokens, num_q_heads, num_kv_heads, head_dim, rot_dim, max_position;
   int64_t num_slots;
 };

@@ -160,6 +160,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     num_splits: int = 0, *, sliding_window: int = 0, logit_softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache: for each sequence b and query head h,
     ``out[b, h] = softmax(scale * K_b @ q[b, h]) @ V_b`` where K_b, V_b are the first
@@ -176,21 +177,17 @@ def paged_decode_attention(
     here when None; pass it under CUDA graphs and torch.compile). num_splits: 0 = automatic. Returns
     out. sliding_window > 0: the last sliding_window tokens only; logit_softcap > 0: scaled scores
     become ``cap * tanh(score / cap)`` (Gemma-2). Both on the CPU and CUDA.
+    An fp8 cache (float8_e4m3fn) reads as ``float(x) * k_scale/v_scale``: see layers/attention.py.
     """
     if out is None:
         out = torch.empty_like(q)
     if workspace is None:
         workspace = paged_decode_workspace(q, k_cache, block_tables, num_splits)
+    k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
     _ops.paged_decode_attention(
         out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace, num_splits,
-        sliding_window, logit_softcap)
+        sliding_window, logit_softcap, k_scale, v_scale)
     return out
-
-
-@torch.library.register_fake("pagedkv::paged_decode_attention")
-def _paged_decode_attention_fake(out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                                 workspace, num_splits=0, sliding_window=0, logit_softcap=0.0) -> None:
-    return None
 
 
 # --- Decode-step kernels: RoPE + KV write, SiLU*mul, sampling, block copy -----------------------
@@ -208,6 +205,8 @@ def rope_and_write_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     epsilon: float = 1e-6,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotary embedding of q and k in place, then k and v written into their cache slots.
 
@@ -219,9 +218,11 @@ def rope_and_write_kv(
     rotated). k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], slot
     s = block * block_size + offset. q_norm_weight / k_norm_weight: [head_dim], Qwen3's per-head
     RMSNorm applied before the rotation. Rounding as HF's ``apply_rotary_pos_emb`` in the dtype.
+    An fp8 cache stores e4m3 of ``(x.float() / scale).clamp(-448, 448)``: see layers/attention.py.
     """
+    k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
     _ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                           q_norm_weight, k_norm_weight, epsilon)
+                           q_norm_weight, k_norm_weight, epsilon, k_scale, v_scale)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
@@ -293,12 +294,6 @@ def advance_decode_rows(
                              slot_mapping, block_tables, block_size)
 
 
-@torch.library.register_fake("pagedkv::rope_and_write_kv")
-def _rope_and_write_kv_fake(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                            q_norm_weight, k_norm_weight, epsilon) -> None:
-    return None
-
-
 @torch.library.register_fake("pagedkv::silu_and_mul")
 def _silu_and_mul_fake(out, x, activation="silu") -> None:
     return None
@@ -359,6 +354,7 @@ def paged_prefill_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None, *, sliding_window: int = 0, logit_softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of new tokens (prefill chunks of several sequences) over
     a paged KV cache that already holds them.
@@ -381,19 +377,21 @@ def paged_prefill_attention(
     out: like q, or None to allocate one. workspace: from ``paged_prefill_workspace`` when
     ``paged_prefill_num_splits`` > 1 (on CUDA allocated here if None; under torch.compile or in
     a CUDA graph pass one in). sliding_window, logit_softcap: as paged_decode_attention (a row
-    at position p sees keys j with p - j < sliding_window). Returns out.
+    at position p sees keys j with p - j < sliding_window). k_scale, v_scale: an fp8 cache's, as
+    paged_decode_attention. Returns out.
     """
     if out is None:
         out = torch.empty_like(q)
-    if workspace is None and q.device.type == "cuda":  # the CPU never splits
+    k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if workspace is None and q.device.type == "cuda" and k_scale is None:  # fp8, CPU: no splits
         workspace = paged_prefill_workspace(q, k_cache, block_tables, max_query_len)
     _ops.paged_prefill_attention(
         out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len,
-        workspace, sliding_window, logit_softcap)
+        workspace, sliding_window, logit_softcap, k_scale, v_scale)
     return out
 
 
-@torch.library.register_fake("pagedkv::paged_prefill_attention")
-def _paged_prefill_attention_fake(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                  scale, max_query_len, workspace=None, sliding_window=0, logit_softcap=0.0) -> None:
-    return None
+def _kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale) -> tuple:
+    """An fp8 cache's scales: given, else its views' ``kv_scale`` (set by KVCache): model code passes caches."""
+    return (getattr(k_cache, "kv_scale", None) if k_scale is None else k_scale,
+            getattr(v_cache, "kv_scale", None) if v_scale is None else v_scale)

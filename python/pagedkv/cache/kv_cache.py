@@ -45,6 +45,10 @@ class KVCache:
     new tokens including padding; default max(max_seq_len, max_batch_size) so a whole prompt fits
     one step); its buffers are made at the first build.
 
+    dtype torch.float8_e4m3fn: an fp8 cache (half the bytes of a 16-bit one), K/V stored as
+    x / scale with one fp32 scale per layer for K and for V: ``kv_scales`` (per layer (k, v);
+    None: 1.0), later ``set_kv_scales``; see cache/kv_dtype.py.
+
     Errors: ``CacheFull`` when blocks run out (nothing changed); ``KeyError`` for a sequence id
     that is not in the cache (unknown, or already freed); ``ValueError`` for a call that can
     never succeed (empty or too long prompt, id in use, duplicate id in a batch, a count, id or
@@ -68,6 +72,7 @@ class KVCache:
         max_batch_size: int = 256,
         max_step_tokens: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_scales: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         self.spec = spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, dtype, block_size)
         self.device = torch.device(device)
@@ -83,6 +88,16 @@ class KVCache:
         # Per layer [num_blocks, block_size, num_kv_heads, head_dim], contiguous views of kv.
         self.k_caches: list[torch.Tensor] = list(self.kv[:, 0].unbind(0))
         self.v_caches: list[torch.Tensor] = list(self.kv[:, 1].unbind(0))
+        # An fp8 cache: [num_layers, 2 (K, V)] fp32 scales on the device (K/V stored as x / scale),
+        # each layer's pair also the `kv_scale` attribute of its K and V views, which the ops read
+        # when the model code passes caches only. Written in place (set_kv_scales): graphs see them.
+        self.kv_scales: torch.Tensor | None = None
+        if dtype == torch.float8_e4m3fn:
+            self.kv_scales = torch.ones(num_layers, 2, dtype=torch.float32, device=self.device)
+            for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches)):
+                k.kv_scale = self.kv_scales[layer, 0:1]
+                v.kv_scale = self.kv_scales[layer, 1:2]
+            self.set_kv_scales(kv_scales)
         if max_step_tokens is None:
             max_step_tokens = max(self.manager.max_seq_len, max_batch_size)
         # Checked now (bools, ints past int32, max_step_tokens < max_batch_size), used at the
@@ -103,6 +118,25 @@ class KVCache:
         spec = KVCacheSpec.from_hf_config(config, dtype=dtype, block_size=block_size)
         return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
                    block_size=spec.block_size, **kwargs)
+
+    def set_kv_scales(self, scales: Sequence[tuple[float, float]] | None) -> None:
+        """An fp8 cache's per-layer (k_scale, v_scale), positive and finite; None: all 1.0. A
+        change drops the prefix cache (its K/V were stored with the old scales): call it with no
+        sequence in the cache. ValueError (nothing changed) for a 16-bit cache or bad values."""
+        if self.kv_scales is None:
+            raise ValueError(f"pagedkv: KV-cache scales apply to a torch.float8_e4m3fn cache; this "
+                             f"one is {self.spec.dtype}")
+        values = torch.ones(self.spec.num_layers, 2) if scales is None else torch.tensor(
+            [[float(k), float(v)] for k, v in scales], dtype=torch.float32)
+        if values.shape != (self.spec.num_layers, 2) or not bool((values.isfinite() & (values > 0)).all()):
+            raise ValueError(f"pagedkv: kv_cache_scales must be {self.spec.num_layers} (k_scale, "
+                             f"v_scale) pairs of positive finite numbers, one per layer; got "
+                             f"{values.tolist() if values.numel() <= 8 else tuple(values.shape)}")
+        if not torch.equal(values, self.kv_scales.cpu()):
+            self.drop_prefix_cache()
+            self.kv_scales.copy_(values)
+            logger.info("fp8 KV-cache scales: k %.4g..%.4g, v %.4g..%.4g", values[:, 0].min(),
+                        values[:, 0].max(), values[:, 1].min(), values[:, 1].max())
 
     # -- size ------------------------------------------------------------------------------------
     @property
@@ -138,7 +172,8 @@ class KVCache:
         return (f"KVCache(num_blocks={self.num_blocks}, block_size={s.block_size}, "
                 f"num_layers={s.num_layers}, num_kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
                 f"dtype={str(s.dtype).removeprefix('torch.')}, device={self.device}, "
-                f"free_blocks={self.num_free_blocks}, memory={self.nbytes / 1e9:.3g} GB)")
+                + ("" if self.kv_scales is None else "kv_scales=per layer, ")
+                + f"free_blocks={self.num_free_blocks}, memory={self.nbytes / 1e9:.3g} GB)")
 
     # -- sequences -------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int, token_ids: Sequence[int] | torch.Tensor) -> int:

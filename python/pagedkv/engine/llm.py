@@ -31,6 +31,7 @@ import time
 import torch
 
 from pagedkv.cache import KVCache, KVCacheSpec, num_blocks_for
+from pagedkv.cache.kv_dtype import kv_cache_options
 from pagedkv.cache.spec import cache_sizing
 from pagedkv.engine.batch_api import BatchAPI
 from pagedkv.engine.launched_step import LaunchedStep, pending_inputs
@@ -59,7 +60,7 @@ class LLM(BatchAPI):
     ``kv_cache_memory`` (bytes if an int, else a fraction in (0, 1] of the available CUDA memory:
     free, plus what torch's allocator holds unused; default 0.9 on CUDA, 256 MiB on CPU) or
     ``num_kv_blocks``. max_model_len: longest sequence, prompt + output (default: the model's
-    limit, at most the cache's capacity).
+    limit, at most the cache's capacity). kv_cache_dtype, kv_cache_scales: as generate()'s, not "calibrate".
     use_cuda_graphs: replay decode-only steps as CUDA graphs, one per batch bucket (default on
     for CUDA models). overlap_steps: launch each step before the previous one's tokens are read
     back (default on for CUDA models; off, every step waits for the one before).
@@ -73,7 +74,7 @@ class LLM(BatchAPI):
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  use_cuda_graphs: bool | None = None, overlap_steps: bool | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto", kv_cache_scales=None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"pagedkv.LLM: max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -95,7 +96,8 @@ class LLM(BatchAPI):
         if self.tp is not None:
             spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, state.dtype, block_size)
             sizing = {"num_blocks": self.tp.min_over_ranks(num_blocks_for(spec, self.device, **sizing))}
-        self.cache = KVCache(len(w.layers), w.num_kv_heads, w.head_dim, dtype=state.dtype,
+        kv_dtype, kv_scales = kv_cache_options(model, state, kv_cache_dtype, kv_cache_scales, "pagedkv.LLM")
+        self.cache = KVCache(len(w.layers), w.num_kv_heads, w.head_dim, dtype=kv_dtype, kv_scales=kv_scales,
                              block_size=block_size, device=self.device,
                              max_seq_len=min(limit, max_model_len or limit), max_batch_size=max_num_seqs,
                              max_step_tokens=max_num_batched_tokens,
@@ -106,7 +108,8 @@ class LLM(BatchAPI):
                              f"({limit}) or the KV cache's capacity ({capacity} tokens)")
         self.max_model_len = max_model_len or min(limit, capacity)
         graphs = cuda_graphs_wanted(use_cuda_graphs, state, "pagedkv.LLM")
-        self.runner = ModelRunner(state, self.cache, graphs, max_batch=max_num_seqs)
+        self.runner = ModelRunner(state, self.cache, graphs, max_batch=max_num_seqs,
+                                  insist_graphs=use_cuda_graphs is True)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.vocab_size = w.vocab_size
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None

@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from pagedkv.cache import KVCache
+from pagedkv.cache.kv_dtype import kv_cache_options
 from pagedkv.hf import beam_search
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument, resolve_generation
 from pagedkv.hf.processing import CallArguments, processed_decode
@@ -121,7 +122,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, atte
     `sequences`, and `scores`/`logits`/... as asked; its past_key_values is None (pagedkv's own
     prefix cache keeps the K/V for the next call). Settings HF accepts but pagedkv does not implement raise
     UnsupportedGenerationArgument naming them. use_cuda_graphs: default on for CUDA models.
-    The result is an ordinary tensor, as HF's (no_grad), not an inference tensor."""
+    The result is an ordinary tensor, as HF's (no_grad), not an inference tensor.
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3: half the bytes per token; scales
+    per layer from kv_cache_scales: None = the checkpoint's k_scale/v_scale if any, else 1.0;
+    "calibrate" = amax over this call's prompts / 448; or a list of (k_scale, v_scale) per layer;
+    see pagedkv/cache/kv_dtype.py and docs/limits.md). Not with beams, tensor parallel or fallback models."""
     with torch.inference_mode():
         new_tokens, settings, outputs = _generate(model, input_ids, attention_mask, generation_config,
                                                   streamer, use_cuda_graphs, kwargs)  # [B, N]
@@ -152,6 +157,7 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
             "generate() calls by itself (their prompts' and outputs' full blocks stay in its prefix "
             "cache); pass the whole conversation as input_ids, without past_key_values")
     _check_inputs(model, input_ids)
+    kv_args = kwargs.pop("kv_cache_dtype", "auto"), kwargs.pop("kv_cache_scales", None)
     call = CallArguments.pop_from(kwargs)  # logits_processor, stopping_criteria, ...
     settings = resolve_generation(model, input_ids.shape[1], generation_config, kwargs,
                                   batch_without_mask=attention_mask is None and input_ids.shape[0] > 1)
@@ -166,9 +172,12 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
     decode = None if beams else processed_decode(model, _rows(input_ids, n), _rows(attention_mask, n),
                                                  generation_config, kwargs, call, settings, streamer)
     state = prepared(model)
+    kv_dtype, kv_scales = kv_cache_options(model, state, *kv_args, "pagedkv.generate", beams=beams,
+                                           input_ids=input_ids, attention_mask=attention_mask)
     with state.lock:  # one call at a time per model: they share its fixed batch and cache
         if state.fixed_batch is None:
             state.fixed_batch = FixedBatch(state)
+        state.fixed_batch.kv_dtype, state.fixed_batch.kv_scales = kv_dtype, kv_scales
         state.fixed_batch.note_weights(weights_version(model))  # cached K/V of older weights go
         if beams:  # HF's beam search, each beam a fork on the cache (hf/beam_search.py)
             return beam_search.beam_search(model, state.fixed_batch, prompts, input_ids, attention_mask,

@@ -1,5 +1,5 @@
 """Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) on pagedkv ops, with HF's routing and
-rounding, and the fused router's and the two expert ops' typed wrappers.
+rounding, and the router top-k's and the two expert ops' typed wrappers.
 
     router logits = x @ router^T -> softmax in fp32 -> top-k -> renormalise (Mixtral always,
     Qwen: norm_topk_prob) -> cast to the model dtype (Qwen; Mixtral keeps fp32)
@@ -27,10 +27,12 @@ GROUPED_MIN_PAIRS = 256
 # Types whose router keeps the top-k weights in fp32 (HF's Mixtral never casts them back), so
 # each weighted expert output is fp32 before the sum.
 FP32_ROUTING_WEIGHTS = ("mixtral",)
-# Up to this many tokens, route() runs the fused moe_route op (one launch instead of ~7; it reads
-# the router once per token, so a prefill's GEMM is cheaper); at most this many experts (its limit).
-FUSED_ROUTE_MAX_TOKENS = 128
-FUSED_ROUTE_MAX_EXPERTS = 4096
+# Up to this many tokens, route() runs pagedkv's linear (on CUDA the weight-streaming GEMV, the
+# router read once over many SMs) then the moe_topk op (one launch instead of torch's ~6); more
+# (prefill) keep torch's ops after the GEMM, HF's own kernels. moe_topk's limits: E and k.
+TOPK_MAX_TOKENS = 128
+TOPK_MAX_EXPERTS = 4096
+TOPK_MAX_K = 32
 
 
 @dataclasses.dataclass(slots=True)
@@ -69,11 +71,11 @@ def moe_weight_tensors(w: MoEWeights) -> list[torch.Tensor]:
 
 def route(x: torch.Tensor, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (expert ids [T, k] int64, weights [T, k] fp32 or x's dtype), HF's order of
-    operations. Device ops only (capturable). Up to FUSED_ROUTE_MAX_TOKENS tokens: the one fused
-    op; more: torch's ops (a GEMM reads the router once for all tokens, the fused kernel once a token)."""
-    if x.shape[0] <= FUSED_ROUTE_MAX_TOKENS and w.router.shape[0] <= FUSED_ROUTE_MAX_EXPERTS:
-        return moe_route(x, w.router, w.top_k, w.normalize, w.fp32_weights)
+    operations. Device ops only (capturable). The logits in the model dtype (HF's nn.Linear); up to
+    TOPK_MAX_TOKENS tokens the moe_topk op takes them, more: torch's ops."""
     logits = ops.linear(x, w.router)  # [T, E], the model dtype
+    if x.shape[0] <= TOPK_MAX_TOKENS and w.router.shape[0] <= TOPK_MAX_EXPERTS and w.top_k <= TOPK_MAX_K:
+        return moe_topk(logits, w.top_k, w.normalize, w.fp32_weights)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, ids = torch.topk(probs, w.top_k, dim=-1)
     if w.normalize:
@@ -120,20 +122,20 @@ def _grouped_experts(x: torch.Tensor, w: MoEWeights, ids: torch.Tensor, weights:
     return weighted.sum(dim=1).to(x.dtype)
 
 
-def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, fp32_weights: bool,
-              expert_ids: torch.Tensor | None = None, weights: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's router in one op: x [T, D] and router [E, D] (x's dtype) -> (expert_ids [T, k] int64,
-    weights [T, k] fp32 if fp32_weights else x's dtype): the top_k of softmax(x @ router^T rounded
-    to x's dtype) in fp32, descending, each divided by their fp32 sum if normalize. Equal probs:
-    on the CPU torch.topk's own order (HF's, bit for bit); on CUDA the lower expert index first
-    (the same set as torch.topk there, which keeps the lowest indices of a tie at the k-th place;
-    tied weights are equal, so only the fp32 order of moe_down_sum's sum can differ)."""
+def moe_topk(logits: torch.Tensor, top_k: int, normalize: bool, fp32_weights: bool,
+             expert_ids: torch.Tensor | None = None, weights: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's router after its linear in one op: logits [T, E] (the model dtype, E <= TOPK_MAX_EXPERTS)
+    -> (expert_ids [T, k] int64, weights [T, k] fp32 if fp32_weights else logits' dtype), k <=
+    TOPK_MAX_K: torch.topk of softmax(logits) in fp32, each divided by their fp32 sum if normalize.
+    CPU: HF's own ATen ops, bit for bit. CUDA: one warp a token reproducing torch's CUDA kernels
+    (csrc/kernels/moe_topk.cu): torch.topk's ids and order, ties included."""
     if expert_ids is None:
-        expert_ids = torch.empty((x.shape[0], top_k), dtype=torch.int64, device=x.device)
+        expert_ids = torch.empty((logits.shape[0], top_k), dtype=torch.int64, device=logits.device)
     if weights is None:
-        weights = torch.empty((x.shape[0], top_k), dtype=torch.float32 if fp32_weights else x.dtype, device=x.device)
-    _ops.moe_route(expert_ids, weights, x, router, normalize)
+        weights = torch.empty((logits.shape[0], top_k), dtype=torch.float32 if fp32_weights else logits.dtype,
+                              device=logits.device)
+    _ops.moe_topk(expert_ids, weights, logits, normalize)
     return expert_ids, weights
 
 
@@ -169,6 +171,6 @@ def _moe_down_sum_fake(out, act, down, expert_ids, weights) -> None:
     torch._check(out.shape == (act.shape[0], down.shape[1]))
 
 
-@torch.library.register_fake("pagedkv::moe_route")
-def _moe_route_fake(expert_ids, weights, x, router, normalize) -> None:
-    torch._check(expert_ids.shape == weights.shape and expert_ids.shape[0] == x.shape[0])
+@torch.library.register_fake("pagedkv::moe_topk")
+def _moe_topk_fake(expert_ids, weights, logits, normalize) -> None:
+    torch._check(expert_ids.shape == weights.shape and expert_ids.shape[0] == logits.shape[0])

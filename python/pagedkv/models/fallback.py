@@ -9,11 +9,19 @@ the metadata. No 4D mask is built (HF builds none for an attention function with
 function registered). The logits of `logits_rows` come from HF's own head (final norm, LM head,
 logit scales and softcapping) through `logits_to_keep`.
 
-Slower than models/llama.py (HF's eager modules, no fused kernels, no CUDA graphs) but exact for
-what the attention function can express: causal self-attention with an optional scale, sliding
+Slower than models/llama.py (HF's eager modules, no fused kernels) but exact for what the
+attention function can express: causal self-attention with an optional scale, sliding
 window and score softcap (the module's, as HF passes them; computed on the CPU and CUDA alike). What
 it cannot (attention sinks, alibi, non-causal or cross-attention, recurrent layers) is refused by
 `fallback_reason` before anything runs, and again here if a call asks.
+
+A decode step runs no host sync here (K/V go to the cache through ops.rope_and_write_kv with the
+identity rotation, which skips a CUDA-graph bucket's padding rows on the device), so on CUDA the
+runtime captures it as a CUDA graph where HF's modules allow (runtime/runner.py capture_step:
+one that syncs or branches on values fails its capture and the model runs eagerly). A replay
+skips the modules' Python: what they read from their own attributes or config each call is in
+`settings_state`, which the model's fingerprint includes (runtime/model.py), so a change there
+makes generate() take the model again and an LLM refuse it, as a replaced weight does.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch
 import transformers
 from transformers.modeling_utils import AttentionInterface
 
+from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -45,6 +54,9 @@ class FallbackWeights:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    # Why a decode step of this model could not be captured as a CUDA graph (runtime/runner.py
+    # capture_step): its steps then run eagerly, for as long as these weights are the model's.
+    capture_error: str | None = None
 
 
 def fallback_weights(model) -> FallbackWeights:
@@ -101,6 +113,29 @@ def _dispatches_attention(module_name: str) -> bool:
         return True
 
 
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def settings_state(model) -> tuple:
+    """What HF's modules read off Python objects (not tensors) at each call, as fingerprint
+    entries (runtime/model.py): the config's public fields and every module's plain attributes
+    (scalars and tuples/lists of them: scaling, is_causal, training, ...). A CUDA graph baked
+    their values in; ~0.1 ms for 32 layers, per call."""
+    items: list[tuple[str, tuple]] = [
+        (f"config.{k}", ("setting", repr(v))) for k, v in sorted(vars(model.config).items())
+        if not k.startswith("_")]
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr.startswith("_"):
+                continue
+            if isinstance(value, (tuple, list)) and all(isinstance(v, _SCALARS) for v in value):
+                value = tuple(value)
+            elif not isinstance(value, _SCALARS):
+                continue
+            items.append((f"{name}.{attr}" if name else attr, ("setting", value)))
+    return tuple(items)
+
+
 @dataclasses.dataclass(slots=True)
 class _Call:
     """One forward's state, read by the attention function of each layer."""
@@ -108,8 +143,8 @@ class _Call:
     k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, Hkv, Dh]
     v_caches: list[torch.Tensor]
     meta: ForwardMetadata
-    slots: torch.Tensor  # [T'] int64: cache slots of the non-padding tokens
-    keep: torch.Tensor | None  # [T'] indices of the non-padding tokens; None: all
+    at_zero: torch.Tensor  # [T] int32 zeros: every token at the identity table's one position
+    identity: torch.Tensor  # [1, rot_dim] fp32: cos 1 | sin 0
     workspace: torch.Tensor | None = None
     layers_run: int = 0
 
@@ -140,13 +175,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if key.shape[1] != num_kv_heads or key.shape[3] != head_dim:
         raise RuntimeError(f"layer {layer}: K of {key.shape[1]} heads of {key.shape[3]} but the cache "
                            f"holds {num_kv_heads} heads of {head_dim}")
-    k = key[0].transpose(0, 1).to(k_cache.dtype)  # [T, Hkv, Dh]
-    v = value[0].transpose(0, 1).to(v_cache.dtype)
-    if call.keep is not None:
-        k, v = k[call.keep], v[call.keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, call.slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, call.slots, v)
+    k = key[0].transpose(0, 1).to(k_cache.dtype).contiguous()  # [T, Hkv, Dh]
+    v = value[0].transpose(0, 1).to(v_cache.dtype).contiguous()
     q = query[0].transpose(0, 1).to(k_cache.dtype).contiguous()  # [T, Hq, Dh]
+    # The identity rotation (x * 1 - y * 0 rounds to x): only the write, which skips slot -1
+    # (a graph bucket's padding rows) on the device, with no host sync.
+    ops.rope_and_write_kv(q, k, v, call.at_zero, call.identity, k_cache, v_cache, call.meta.slot_mapping)
     if call.workspace is None:
         call.workspace = attention_workspace(q, k_cache, call.meta)
     scale = scaling if scaling is not None else head_dim ** -0.5
@@ -180,17 +214,20 @@ class FallbackDecoder:
         self.w = weights
         self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
         self.v_caches = v_caches
+        # rope_and_write_kv's table of one position that rotates nothing: 16 dims keep its
+        # vectorized path (rot_dim / 2 a multiple of 16 bytes' elements)
+        rot_dim = min(16, weights.head_dim - weights.head_dim % 2)
+        identity = torch.zeros(1, rot_dim, dtype=torch.float32, device=k_caches[0].device)
+        identity[:, :rot_dim // 2] = 1.0
+        self.identity = identity  # [1, rot_dim]
 
     def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] -> logits [R, V] for the rows `logits_rows` [R] of the T tokens (all
-        when None), as the HF model's head computes them."""
-        slots = meta.slot_mapping.long()  # [T]
-        keep = None
-        if bool((slots < 0).any()):  # padding rows write nothing
-            keep = (slots >= 0).nonzero().squeeze(1)
-            slots = slots[keep]
-        call = _Call(self.k_caches, self.v_caches, meta, slots, keep)
+        when None), as the HF model's head computes them. Padding rows (slot -1) write nothing;
+        no host sync, so a decode step can be captured as a CUDA graph."""
+        at_zero = torch.zeros_like(meta.slot_mapping, dtype=torch.int32)  # [T]
+        call = _Call(self.k_caches, self.v_caches, meta, at_zero, self.identity)
         model = self.w.model
         token = _CALL.set(call)
         try:

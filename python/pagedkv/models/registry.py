@@ -44,8 +44,8 @@ OTHER_DECODERS = {
     "youtu": "multi-head latent attention (DeepSeek-V3's)",
     "olmoe": "its query/key RMSNorm spans all heads (OLMo-2's), not each head",
 }
-# Types pagedkv runs by their own HF modules over its cache (models/fallback.py: eager, no CUDA
-# graphs, no tensor parallelism), each one's greedy tokens checked against HF's by
+# Types pagedkv runs by their own HF modules over its cache (models/fallback.py: CUDA graphs where
+# the modules allow, no tensor parallelism), each one's greedy tokens checked against HF's by
 # tests/test_fallback.py; a type that fails there stays off (GPT-2 passes, but stays the tests'
 # example of a refused type for now).
 FALLBACK_MODEL_TYPES = ("apertus", "arcee", "codegen", "cohere", "ernie4_5", "exaone4",
@@ -201,7 +201,7 @@ def supports(model) -> bool:
 def support_path(model) -> SupportPath | None:
     """How pagedkv runs `model`: "native" (its own fused forward, models/llama.py, CUDA graphs
     and tensor parallelism), "fallback" (the HF model's own modules over the paged cache,
-    models/fallback.py: eager, one device), or None (it cannot: `unsupported_reason`)."""
+    models/fallback.py: one device), or None (it cannot: `unsupported_reason`)."""
     if unsupported_reason(model) is not None:
         return None
     return "fallback" if model.config.model_type in FALLBACK_MODEL_TYPES else "native"

@@ -25,7 +25,7 @@ from pagedkv.runtime.logits_step import LogitsStep
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import call_digest
 from pagedkv.runtime.prefix_reuse import keep_rows
-from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, cuda_graphs_wanted
+from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, capture_step, cuda_graphs_wanted
 from pagedkv.runtime.sampler import Sampler
 
 BLOCK_SIZE = 16
@@ -114,6 +114,8 @@ class FixedBatch:
         # Graph key -> (state, sampler): buffers the key's captured step reads and writes.
         self._buffers: dict[_GraphKey, tuple[DecodeState, Sampler]] = {}
         self._weights_version: int | None = None  # of the weights the cached K/V came from
+        self.kv_dtype = model.dtype  # the cache's: generate()'s kv_cache_dtype, set per call
+        self.kv_scales: list[tuple[float, float]] | None = None  # an fp8 cache's (cache/kv_dtype.py)
 
     def note_weights(self, version: int) -> None:
         """Drop the cached K/V when the weights were written in place since the last call
@@ -146,6 +148,7 @@ class FixedBatch:
         num_blocks = sum(len(p) // BLOCK_SIZE + n * (math.ceil((len(p) + max_new) / BLOCK_SIZE)
                                                      - len(p) // BLOCK_SIZE) for p in prompts)
         runner = self._runner_for(num_blocks, len(prompts) * n, sum(map(len, prompts)), longest)
+        runner.insist_graphs = use_cuda_graphs is True  # a step that cannot be captured raises
         # Rows of a call interrupted in its own clean-up; their K/V may be unwritten.
         runner.cache.free_all(keep_cached=False)
         seq_ids = list(range(len(prompts) * n))
@@ -171,11 +174,14 @@ class FixedBatch:
         current one if it does. Its decode steps are this module's (graphs or not, per call)."""
         runner = self.runner
         if (runner is not None and runner.cache.num_blocks >= num_blocks
-                and runner.cache.step_capacity_fits(rows, prompt_tokens)):
+                and runner.cache.step_capacity_fits(rows, prompt_tokens)
+                and runner.cache.spec.dtype == self.kv_dtype):
+            if runner.cache.kv_scales is not None:  # a change drops the cached K/V
+                runner.cache.set_kv_scales(self.kv_scales)
             return runner
         model = self.model
         w = model.weights
-        spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, model.dtype, BLOCK_SIZE)
+        spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, self.kv_dtype, BLOCK_SIZE)
         self._check_memory(spec, num_blocks, rows, longest)
         if runner is not None:
             num_blocks = self._grown(spec, num_blocks, runner.cache.num_blocks)
@@ -190,6 +196,8 @@ class FixedBatch:
                         enable_prefix_caching=model.rope is None,
                         max_batch_size=max(rows, 256),
                         max_step_tokens=max(prompt_tokens, model.max_positions, 256))
+        if cache.kv_scales is not None:
+            cache.set_kv_scales(self.kv_scales)
         self.runner = ModelRunner(model, cache, use_cuda_graphs=False)
         return self.runner
 
@@ -250,9 +258,11 @@ class FixedBatch:
 
         if not graphs:
             return step, state, sampler
-        replay = runner.graphs.capture(key, step).replay
+        captured = capture_step(runner, key, step)
+        if captured is None:  # a fallback model's step that cannot be captured: eager from now on
+            return step, state, sampler
         self._buffers[key] = (state, sampler)  # once captured: a graph is used only with its buffers
-        return replay, state, sampler
+        return captured.replay, state, sampler
 
     def _run(self, runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]],
              input_ids: torch.Tensor, settings: GenerationSettings, streamer, graphs: bool,

@@ -14,7 +14,7 @@ import torch
 from torch.profiler import record_function
 
 from pagedkv.runtime.decode_state import DecodeState
-from pagedkv.runtime.runner import ModelRunner
+from pagedkv.runtime.runner import ModelRunner, capture_step
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,8 +53,9 @@ class LogitsStep:
         # warm-up run writes nothing to the cache.
         # Every tensor the graph reads or writes stays with it: a freed `offsets` would be memory
         # of some later tensor that each replay's advance adds 1 to.
-        self._run = (runner.graphs.capture(key, step, buffers=(state, fed, offsets)).replay
-                     if graphs else step)
+        # A fallback model's step that cannot be captured runs eagerly (capture_step).
+        captured = capture_step(runner, key, step, buffers=(state, fed, offsets)) if graphs else None
+        self._run = step if captured is None else captured.replay
 
     def start(self, prompt_lens: list[int], tables: list[list[int]], rope_base: int = 0) -> None:
         """Rows at their prompts' last tokens, with each row's blocks (generation's included);

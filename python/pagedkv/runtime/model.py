@@ -44,7 +44,7 @@ import torch.distributed as dist
 from pagedkv.layers.moe import moe_weight_tensors
 from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, RopeByLength, build_cos_sin_cache, max_length, rope_type
 from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read_shard
-from pagedkv.models.fallback import FallbackWeights, fallback_weights
+from pagedkv.models.fallback import FallbackWeights, fallback_weights, settings_state
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights, gemma_cos_sin
 from pagedkv.models.llama import DecoderWeights, extract_weights
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, Olmo2Weights, extract_olmo2_weights
@@ -102,7 +102,7 @@ def describe_change(old: tuple, new: tuple) -> str:
 
 def _difference(was: tuple, now: tuple) -> str:
     kind = was[0]
-    if kind == "vocab":
+    if kind in ("vocab", "setting"):  # settings: a fallback model's (models/fallback.py settings_state)
         return f"changed from {was[1]} to {now[1]}"
     if kind == "module":
         return f"was replaced by a new {now[1].__name__}"
@@ -154,10 +154,11 @@ class PreparedModel:
         check_supported(model, placement=reader is None)
         if tp is None and support_path(model) == "fallback":  # HF's modules: nothing to take
             param = next(model.parameters())
-            logger.info("runs %s by its own modules (pagedkv's fallback path: eager, no CUDA graphs)",
-                        type(model).__name__)
+            logger.info("runs %s by its own modules (pagedkv's fallback path: decode steps captured as "
+                        "CUDA graphs where they allow)", type(model).__name__)
             return cls(fallback_weights(model), None, param.device, param.dtype,
-                       int(model.config.max_position_embeddings), None, fingerprint=fingerprint(model))
+                       int(model.config.max_position_embeddings), None,
+                       fingerprint=fingerprint(model) + settings_state(model))
         # Not in inference mode (generate() runs in it): HF's parameters become views of the
         # fused tensors, and views of inference tensors could never be trained again.
         with torch.inference_mode(False), torch.no_grad():
@@ -196,6 +197,8 @@ class PreparedModel:
         """None if `model` is as these weights were taken from it, else its first change.
         A shard (tp) is a copy: in-place writes count too."""
         now = fingerprint(model, versions=self.tp is not None)
+        if isinstance(self.weights, FallbackWeights):  # HF's modules run: their settings count too
+            now += settings_state(model)
         return None if now == self.fingerprint else describe_change(self.fingerprint, now)
 
     def __reduce__(self):

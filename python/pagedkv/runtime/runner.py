@@ -19,6 +19,8 @@ back yet takes it on the device (PendingTokens).
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Any, Callable, Hashable
 
 import torch
 from torch.profiler import record_function
@@ -29,10 +31,11 @@ from pagedkv.models.fallback import FallbackDecoder, FallbackWeights
 from pagedkv.models.gemma import GemmaDecoder, GemmaWeights
 from pagedkv.models.llama import PagedDecoder
 from pagedkv.models.olmo2 import Olmo2Decoder, Olmo2Weights
-from pagedkv.runtime.graphs import CudaGraphs
+from pagedkv.runtime.graphs import CapturedStep, CudaGraphs
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import graphs_hold_collectives
 
+logger = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -44,23 +47,66 @@ def bucket(batch: int, limit: int | None = None) -> int:
 
 def cuda_graphs_wanted(requested: bool | None, model: PreparedModel, caller: str) -> bool:
     """A use_cuda_graphs argument resolved: None means on for CUDA models that allow graphs;
-    True raises off CUDA and for a model run by its own HF modules (graphs_allowed), never
-    silently eager."""
+    True raises off CUDA and for a model whose decode step failed to capture (graphs_allowed),
+    never silently eager."""
     device = model.device
     if requested and device.type != "cuda":
         raise ValueError(f"{caller}: use_cuda_graphs=True needs a model on a CUDA device, got {device}")
     if requested and not graphs_allowed(model):
-        raise ValueError(f"{caller}: use_cuda_graphs=True, but this model runs by its own HF modules "
-                         "(pagedkv.support_path(model) == 'fallback'), whose steps are not captured as CUDA "
-                         "graphs yet; pass use_cuda_graphs=None (the default) or False")
+        raise _not_capturable(model, caller)
     return (device.type == "cuda" if requested is None else bool(requested)) and graphs_allowed(model)
 
 
 def graphs_allowed(model: PreparedModel) -> bool:
-    """False for a model run by its own HF modules (models/fallback.py): their Python runs every
-    step (host-side checks, dynamic shapes), which a captured graph would skip; such models run
-    eagerly whatever use_cuda_graphs says."""
-    return not isinstance(model.weights, FallbackWeights)
+    """False for a model run by its own HF modules (models/fallback.py) once a decode step of it
+    failed to capture (capture_step): HF code that syncs with the host or branches on values
+    cannot be replayed, so its steps run eagerly from then on."""
+    return not (isinstance(model.weights, FallbackWeights) and model.weights.capture_error is not None)
+
+
+def _not_capturable(model: PreparedModel, caller: str) -> ValueError:
+    return ValueError(f"{caller}: use_cuda_graphs=True, but the decode step of {type(model.weights.model).__name__} "
+                      f"(run by its own HF modules: pagedkv.support_path(model) == 'fallback') cannot be "
+                      f"captured as a CUDA graph: {model.weights.capture_error}; pass use_cuda_graphs=None "
+                      "(the default: it then runs eagerly) or False")
+
+
+def capture_step(runner: ModelRunner, key: Hashable, step: Callable[[], Any],
+                 buffers: Any = None) -> CapturedStep | None:
+    """runner.graphs.capture(key, step, buffers), or None when `step` of a model run by its own
+    HF modules ran eagerly (the warm-up) but could not be captured: the model's steps run eagerly
+    from then on (logged once), or, if the caller insisted (runner.insist_graphs), ValueError
+    naming why. The failed capture was ended (runtime/graphs.py); the warm-up wrote only what an
+    eager step writes. Errors of the warm-up itself, out-of-memory and native models' errors
+    propagate as they are."""
+    warmed: list[bool] = []
+
+    def watched() -> Any:
+        out = step()
+        warmed.append(True)
+        return out
+
+    model = runner.model
+    try:
+        return runner.graphs.capture(key, watched, buffers=buffers)
+    except Exception as error:  # noqa: BLE001 - a KeyboardInterrupt goes on as it is
+        if not (isinstance(model.weights, FallbackWeights) and warmed) or isinstance(error, torch.OutOfMemoryError):
+            raise
+        model.weights.capture_error = capture_failure(error)
+        if runner.insist_graphs:
+            raise _not_capturable(model, "pagedkv") from error
+        logger.info("%s (model_type %r, pagedkv's fallback path) runs eagerly: its decode step cannot be "
+                    "captured as a CUDA graph: %s", type(model.weights.model).__name__,
+                    model.weights.model.config.model_type, model.weights.capture_error)
+        return None
+
+
+def capture_failure(error: BaseException) -> str:
+    """The first line of the error that started a chain (a step's error inside a capture is the
+    context of the capture's own end failing), with its type."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
 
 def host_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -116,14 +162,16 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, model: PreparedModel, cache: KVCache, use_cuda_graphs: bool,
-                 max_batch: int | None = None):
-        """max_batch: most rows of a decode step (caps its bucket); use_cuda_graphs needs CUDA."""
+                 max_batch: int | None = None, insist_graphs: bool = False):
+        """max_batch: most rows of a decode step (caps its bucket); use_cuda_graphs needs CUDA;
+        insist_graphs: the caller passed use_cuda_graphs=True (a step that cannot be captured
+        raises instead of running eagerly: capture_step)."""
         cuda_graphs_wanted(use_cuda_graphs, model, "pagedkv")
         self.model = model
         self.cache = cache
         self.device = model.device
         self.max_batch = max_batch
-        if isinstance(model.weights, FallbackWeights):  # the HF model's own modules, eager only
+        if isinstance(model.weights, FallbackWeights):  # the HF model's own modules
             self.decoder = FallbackDecoder(model.weights, cache.k_caches, cache.v_caches)
         elif isinstance(model.weights, GemmaWeights):  # models/gemma.py
             self.decoder = GemmaDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches)
@@ -133,6 +181,7 @@ class ModelRunner:
             self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
                                         tp=model.tp, rope=model.rope)
         self.use_cuda_graphs = use_cuda_graphs  # for run()'s decode steps
+        self.insist_graphs = insist_graphs  # generate() sets it per call (fixed_batch.py)
         self.graphs = CudaGraphs() if model.device.type == "cuda" else None
         if self.graphs is not None and model.tp is not None:
             graphs_hold_collectives(self.graphs)  # dropped before the process group goes
@@ -186,8 +235,12 @@ class ModelRunner:
         if step is None:
             static_ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
             # The warm-up run writes this step's K/V with token 0; the replay below rewrites them.
-            step = self.graphs.capture(meta.num_tokens, lambda: self.decoder.forward(static_ids, fmeta),
-                                       buffers=static_ids)
+            step = capture_step(self, meta.num_tokens, lambda: self.decoder.forward(static_ids, fmeta),
+                                buffers=static_ids)
+            if step is None:  # a fallback model's step that cannot be captured: eager from now on
+                self.use_cuda_graphs = False
+                with record_function("decode_step"):  # this step's padding rows write nothing
+                    return self.decoder.forward(self._on_device(ids, pending), fmeta)
         step.buffers.copy_(ids, non_blocking=True)
         if pending is not None:
             pending.fill(step.buffers)

@@ -61,7 +61,7 @@ def table() -> str:
         "",
         f"Every causal-LM model type of transformers {transformers.__version__} and how pagedkv runs it "
         "(`python -m pagedkv.tools.model_types`). native: pagedkv's own fused decoder, CUDA graphs; "
-        "fallback: the model's own HF modules over pagedkv's cache (eager); refused: "
+        "fallback: the model's own HF modules over pagedkv's cache (CUDA graphs where they allow); refused: "
         "`pagedkv.UnsupportedModel`, naming what differs where that is known. Each native and "
         "fallback type is also built from its default config (one layer, no weights): a note says "
         "what of that config is refused (e.g. a head size the CUDA kernels lack). "
