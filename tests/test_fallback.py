@@ -33,7 +33,7 @@ CASES = {
     "exaone4": GQA, "glm": GQA, "gpt_bigcode": {},
     "gpt_neox": {}, "gptj": dict(rotary_dim=32), "granitemoe": GQA, "helium": dict(GQA, head_dim=64),
     "hunyuan_v1_dense": dict(GQA, head_dim=64), "jais2": GQA,
-    "nemotron": dict(GQA, head_dim=64), "olmo": GQA, "olmo3": dict(GQA, sliding_window=512),
+    "nemotron": dict(GQA, head_dim=64), "olmo": GQA,
     "opt": {}, "persimmon": {}, "phi": {}, "smollm3": GQA, "stablelm": GQA,
     "starcoder2": GQA,
     # mixtures of experts at a few experts each (top-k, shared experts, leading dense layers as
@@ -51,7 +51,6 @@ CASES = {
     "hunyuan_v1_moe": dict(GQA, head_dim=64, num_experts=4, moe_topk=2),
     "mellum": dict(GQA, head_dim=64, num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
     "minimax_m2": dict(GQA, head_dim=64, num_local_experts=8, num_experts_per_tok=2),
-    "olmoe": dict(GQA, num_experts=8, num_experts_per_tok=2),
     "phimoe": dict(GQA, num_local_experts=4, num_experts_per_tok=2),
     "solar_open": dict(GQA, head_dim=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
     # dense (cohere2, vaultgemma: sliding and full layers; vaultgemma, nanochat: softcaps)

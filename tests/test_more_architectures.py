@@ -48,7 +48,6 @@ REFUSED = {
     "jais2": "LayerNorm",
     "apertus": "xIELU",
     "olmo": "LayerNorm",
-    "olmoe": "all heads",
     "youtu": "latent attention",
 }
 FIELDS = {"hunyuan_v1_dense": dict(head_dim=128)}  # its default config leaves head_dim None

@@ -1,5 +1,5 @@
 """Sliding-window layers past their window: the native decoder (Mistral, Qwen2 with some full
-layers, CWM, Phi-3) and the fallback path (Gemma-2 with its attention softcap, OLMo-3) pass each
+layers, CWM, Phi-3, OLMo-3) and the fallback path (Gemma-2 with its attention softcap) pass each
 layer's window (and softcap) to the paged attention kernels, so sequences longer than the window
 give HF's greedy tokens through generate (a left-padded batch) and LLM (prompts chunked by an
 8-token budget), on the CPU and on CUDA (fp32), holding no block after."""
@@ -37,7 +37,7 @@ CASES = {
     "gemma2": ("gemma2", dict(sliding_window=WINDOW, layer_types=ALTERNATING, attn_logit_softcapping=5.0,
                               final_logit_softcapping=4.0, query_pre_attn_scalar=144, tie_word_embeddings=False),
                "fallback"),
-    "olmo3": ("olmo3", dict(sliding_window=WINDOW, layer_types=ALTERNATING), "fallback"),
+    "olmo3": ("olmo3", dict(sliding_window=WINDOW, layer_types=ALTERNATING), "native"),  # models/olmo2.py
 }
 GREEDY = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
 

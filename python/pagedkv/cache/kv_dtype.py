@@ -4,8 +4,8 @@ as generate() and pagedkv.LLM take them.
 "auto" (the default) stores K/V in the model's dtype. "fp8" stores them as e4m3
 (torch.float8_e4m3fn): half the bytes per token, so a cache of the same memory holds twice the
 tokens. Each layer has one fp32 scale for K and one for V: the write stores
-``round_to_e4m3(clamp(x / scale, -448, 448))``, attention reads ``float(x) * scale`` and
-accumulates in fp32 as for a 16-bit cache. The scales, in this order:
+``round_to_e4m3(clamp(x / scale, -448, 448))``, attention reads ``float(x) * scale`` (the
+softmax sums and the weighted V sum in fp64, on the CPU and CUDA alike). The scales, in this order:
 - ``kv_cache_scales`` given as a list of one (k_scale, v_scale) pair per layer: those;
 - ``kv_cache_scales="calibrate"`` (generate() only): amax of each layer's K (after RoPE) and V
   over this call's prompts, from one HF forward of the model, divided by 448 (e4m3's largest);

@@ -33,8 +33,8 @@ class LayerWeights:
     # The linears: dense tensors, or a quantized checkpoint's packed weights (quant/dispatch.py)
     qkv: LinearWeight  # [(Hq + 2 * Hkv) * Dh, D]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 * Hkv) * Dh] (Qwen2)
-    q_norm: torch.Tensor | None  # [Dh] (Qwen3)
-    k_norm: torch.Tensor | None  # [Dh] (Qwen3)
+    q_norm: torch.Tensor | None  # [Dh] (Qwen3); [Hq * Dh]: over all heads (OLMoE)
+    k_norm: torch.Tensor | None  # [Dh] (Qwen3); [Hkv * Dh] (OLMoE)
     o: LinearWeight  # [D, Hq * Dh]
     o_bias: torch.Tensor | None  # [D] (Llama's attention_bias=True)
     post_norm: torch.Tensor  # [D]
@@ -180,9 +180,14 @@ class PagedDecoder:
             q = qkv[:, :q_size].view(num_tokens, w.num_heads, w.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, w.num_kv_heads, w.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, w.num_kv_heads, w.head_dim)
+            q_norm, k_norm = layer.q_norm, layer.k_norm
+            if q_norm is not None and q_norm.shape[0] != w.head_dim:  # OLMoE: over all heads at once
+                q = ops.rms_norm(qkv[:, :q_size].contiguous(), q_norm, w.eps).view_as(q)
+                k = ops.rms_norm(qkv[:, q_size:q_size + kv_size].contiguous(), k_norm, w.eps).view_as(k)
+                q_norm = k_norm = None
             ops.rope_and_write_kv(q, k, v, rope_rows, table, self.k_caches[i],
-                                  self.v_caches[i], meta.slot_mapping, q_norm_weight=layer.q_norm,
-                                  k_norm_weight=layer.k_norm, epsilon=w.eps)
+                                  self.v_caches[i], meta.slot_mapping, q_norm_weight=q_norm,
+                                  k_norm_weight=k_norm, epsilon=w.eps)
             if i == 0:
                 workspace = attention_workspace(q, self.k_caches[0], meta)
             attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale, workspace,

@@ -1,4 +1,4 @@
-"""OLMo-2 on pagedkv ops, HF's weights and HF's rounding.
+"""OLMo-2 and OLMo-3 on pagedkv ops, HF's weights and HF's rounding.
 
 What differs from models/llama.py, each as HF's modeling_olmo2.py computes it:
 - no norm before the attention or the MLP: each sublayer's OUTPUT is normed, then added to the
@@ -16,6 +16,10 @@ The fused ops round as Llama does, so those three steps are plain PyTorch here, 
 arithmetic (exact in every dtype, on every device, inside CUDA graphs); K and V then go to the
 cache through ops.rope_and_write_kv with the identity rotation (cos 1, sin 0: the values pass
 unchanged). The GEMMs, SiLU*mul and attention are pagedkv's ops, as in models/llama.py.
+
+OLMo-3 is OLMo-2 with sliding-window layers (config.layer_types; "sliding_attention" layers see
+config.sliding_window tokens, HF's sliding mask) and a rotary table per layer type (its
+rope_parameters per type: OLMo-3 7B's yarn on the full layers only), as models/gemma.py runs Gemma-3.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ import torch.nn.functional as F
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
-from pagedkv.layers.rotary import rope_type
+from pagedkv.layers.rotary import build_cos_sin_cache, rope_type
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import layer_path, path_reason
 
-OLMO2_MODEL_TYPES = ("olmo2",)
+OLMO2_MODEL_TYPES = ("olmo2", "olmo3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(slots=True)
@@ -46,11 +51,13 @@ class Olmo2LayerWeights:
     post_ff_norm: torch.Tensor  # [D]: the MLP output's norm
     gate_up: torch.Tensor  # [2 * I, D]
     down: torch.Tensor  # [D, I]
+    window: int = 0  # tokens a query attends back to, itself included (0: the whole context)
+    rope: int = 0  # which rotary table of the cos_sin stack (OLMo-3: one per layer type)
 
 
 @dataclasses.dataclass(slots=True)
 class Olmo2Weights:
-    """DecoderWeights' interface (models/llama.py) for OLMo-2."""
+    """DecoderWeights' interface (models/llama.py) for OLMo-2 and OLMo-3."""
 
     embed: torch.Tensor  # [V, D]
     layers: list[Olmo2LayerWeights]
@@ -64,6 +71,25 @@ class Olmo2Weights:
     scale: float
 
 
+def _layer_types(config) -> list[str]:
+    if config.model_type == "olmo2":
+        return ["full_attention"] * config.num_hidden_layers
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+
+
+def _rope_kinds(config) -> list[str]:
+    """The rotary tables: OLMo-3 has one per layer type (its rotary takes the layer type)."""
+    return sorted(set(_layer_types(config))) if config.model_type == "olmo3" else ["full_attention"]
+
+
+def _rope_types(config) -> list[str]:
+    """Each rotary table's rope type (OLMo-3's rope_parameters hold one dict per layer type)."""
+    if config.model_type != "olmo3":
+        return [rope_type(config)]
+    params = getattr(config, "rope_parameters", None) or {}
+    return [(params.get(kind) or {}).get("rope_type", "default") for kind in _rope_kinds(config)]
+
+
 def olmo2_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...]) -> str | None:
     """None if this file runs `model` exactly, else what it does not run, as a sentence (dtype
     and placement are the registry's)."""
@@ -72,9 +98,12 @@ def olmo2_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...])
         return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act={config.hidden_act!r} is not supported; supported: 'silu'"
-    kind = rope_type(config)
-    if kind not in rope_types:
-        return f"rope type {kind!r} is not supported; supported: {', '.join(rope_types)}"
+    unknown = set(_layer_types(config)) - set(LAYER_TYPES)
+    if unknown:
+        return f"layer_types {sorted(unknown)} are not supported; supported: {', '.join(LAYER_TYPES)}"
+    for kind in _rope_types(config):
+        if kind not in rope_types:
+            return f"rope type {kind!r} is not supported; supported: {', '.join(rope_types)}"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim not in head_dims:
         return f"head_dim {head_dim} is not supported; supported: {', '.join(map(str, head_dims))}"
@@ -89,10 +118,12 @@ def _module_reason(model) -> str | None:
 
 def extract_olmo2_weights(model) -> Olmo2Weights:
     """Take (and fuse, in place: see models/llama.py's extract_weights) the weights of an HF
-    Olmo2ForCausalLM. Call outside inference mode."""
+    Olmo2ForCausalLM or Olmo3ForCausalLM. Call outside inference mode."""
     config, inner = model.config, model.model
+    layer_types, kinds = _layer_types(config), _rope_kinds(config)
+    window = int(getattr(config, "sliding_window", None) or 0)
     layers = []
-    for layer in inner.layers:
+    for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], attn.q_proj.bias is not None)
         gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj], False)
@@ -102,6 +133,7 @@ def extract_olmo2_weights(model) -> Olmo2Weights:
             post_attn_norm=layer.post_attention_layernorm.weight.detach(),
             post_ff_norm=layer.post_feedforward_layernorm.weight.detach(),
             gate_up=gate_up, down=mlp.down_proj.weight.detach(),
+            window=window if layer_types[i] == "sliding_attention" else 0, rope=kinds.index(layer_types[i]),
         ))
     attn0 = inner.layers[0].self_attn
     return Olmo2Weights(
@@ -110,6 +142,23 @@ def extract_olmo2_weights(model) -> Olmo2Weights:
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
         head_dim=attn0.head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
     )
+
+
+@torch.no_grad()
+def olmo2_cos_sin(model, max_positions: int, device: torch.device) -> torch.Tensor:
+    """[R, max_positions, Dh] fp32: the rotary tables Olmo2LayerWeights.rope indexes, from the
+    model's own rotary module (OLMo-3's takes the layer type: one table per type)."""
+    config, rotary = model.config, model.model.rotary_emb
+    if config.model_type != "olmo3":
+        return build_cos_sin_cache(config, max_positions, device, rotary_emb=rotary)[None]
+    on = next(rotary.buffers()).device
+    positions = torch.arange(max_positions, device=on)[None]  # int64, as HF's position_ids
+    tables = []
+    for kind in _rope_kinds(config):
+        cos, sin = rotary(torch.empty(1, dtype=torch.float32, device=on), positions, kind)  # [1, P, Dh]
+        half = cos.shape[-1] // 2
+        tables.append(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(device))
+    return torch.stack(tables).contiguous()
 
 
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,7 +184,7 @@ class Olmo2Decoder:
     def __init__(self, weights: Olmo2Weights, cos_sin: torch.Tensor,
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         self.w = weights
-        self.cos_sin = cos_sin  # [max_position, Dh] fp32: cos | sin halves
+        self.cos_sin = cos_sin  # [R, max_position, Dh] fp32: cos | sin halves (olmo2_cos_sin)
         self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
         self.v_caches = v_caches
         # One position whose rotation is the identity: rope_and_write_kv only writes K and V.
@@ -154,13 +203,14 @@ class Olmo2Decoder:
         k = rms_norm_fp32_weight(qkv[:, q_size:q_size + kv_size], layer.k_norm, eps)
         k = k.view(num_tokens, w.num_kv_heads, w.head_dim)
         v = qkv[:, q_size + kv_size:].view(num_tokens, w.num_kv_heads, w.head_dim)
-        q = rotate_fp32(q, self.cos_sin, meta.positions)
-        k = rotate_fp32(k, self.cos_sin, meta.positions)
+        q = rotate_fp32(q, self.cos_sin[layer.rope], meta.positions)
+        k = rotate_fp32(k, self.cos_sin[layer.rope], meta.positions)
         ops.rope_and_write_kv(q, k, v, at_zero, self.identity, self.k_caches[i], self.v_caches[i],
                               meta.slot_mapping)
         if workspace is None:
             workspace = attention_workspace(q, self.k_caches[0], meta)
-        attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale, workspace)  # [T, Hq, Dh]
+        attn = paged_attention(q, self.k_caches[i], self.v_caches[i], meta, w.scale, workspace,
+                               sliding_window=layer.window)  # [T, Hq, Dh]
         return ops.linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias), workspace
 
     def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata,

@@ -16,9 +16,10 @@ from pagedkv.models.windows import layer_windows
 
 # Llama's decoder under other names: the same layers, norms, activation and rotary layout (read
 # from each type's HF modeling file). internlm3 and iquestcoder are LlamaForCausalLM with their own
-# config; phi3 stores QKV and gate/up fused (FUSED_QKV_GATE_UP). Types transformers lacks never occur.
+# config; phi3 stores QKV and gate/up fused (FUSED_QKV_GATE_UP); olmoe's q/k norms span all heads
+# (the decoder norms the whole q/k rows). Types transformers lacks never occur.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "ministral", "cwm", "seed_oss",
-                         "internlm3", "iquestcoder", "mixtral", "qwen2_moe", "qwen3_moe")
+                         "internlm3", "iquestcoder", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # Llama's decoder with scalar multipliers (DecoderWeights' embedding/residual/logits fields, the
 # attention scale): taken from the HF model on one device (the checkpoint readers, sharded or int4,
 # do not read them).
@@ -27,7 +28,7 @@ SCALED_MODEL_TYPES = ("granite",)
 NATIVE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + SCALED_MODEL_TYPES + GEMMA_MODEL_TYPES + OLMO2_MODEL_TYPES
 FUSED_QKV_GATE_UP = ("phi3",)  # self_attn.qkv_proj [q; k; v] and mlp.gate_up_proj [gate; up] as stored
 # Types whose MLP may be a mixture of experts (layers/moe.py): one device only (not sharded yet).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # Llama-like types whose decoder computes something else, by what differs (a new kernel or formula).
 OTHER_DECODERS = {
     "helium": "its rotary embedding rotates interleaved pairs of dimensions (pagedkv: halves)",
@@ -42,7 +43,6 @@ OTHER_DECODERS = {
     "apertus": "xIELU activation, MLP without a gate",
     "olmo": "LayerNorm without weights, clip_qkv",
     "youtu": "multi-head latent attention (DeepSeek-V3's)",
-    "olmoe": "its query/key RMSNorm spans all heads (OLMo-2's), not each head",
 }
 # Types pagedkv runs by their own HF modules over its cache (models/fallback.py: CUDA graphs where
 # the modules allow, no tensor parallelism), each one's greedy tokens checked against HF's by
@@ -50,12 +50,12 @@ OTHER_DECODERS = {
 # example of a refused type for now).
 FALLBACK_MODEL_TYPES = ("apertus", "arcee", "codegen", "cohere", "ernie4_5", "exaone4",
                         "glm", "gpt_bigcode", "gpt_neox", "gptj", "granitemoe",
-                        "helium", "hunyuan_v1_dense", "jais2", "nemotron", "olmo", "olmo3",
+                        "helium", "hunyuan_v1_dense", "jais2", "nemotron", "olmo",
                         "opt", "persimmon", "phi", "smollm3", "stablelm", "starcoder2",
                         # MoE and window types of transformers 5.x (some absent from older ones)
                         "afmoe", "biogpt", "bitnet", "cohere2", "cohere2_moe", "ernie4_5_moe",
                         "exaone", "exaone_moe", "flex_olmo", "glm4", "glm4_moe", "granitemoeshared",
-                        "hunyuan_v1_moe", "mellum", "minimax_m2", "nanochat", "olmoe", "phimoe",
+                        "hunyuan_v1_moe", "mellum", "minimax_m2", "nanochat", "phimoe",
                         "solar_open", "vaultgemma")
 SupportPath = Literal["native", "fallback"]
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -94,6 +94,8 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
         return f"hidden_act={config.hidden_act!r} is not supported; supported: 'silu'"
     if getattr(config, "mlp_bias", False):
         return "mlp_bias=True is not supported"
+    if getattr(config, "clip_qkv", None) is not None:  # OLMoE's: q, k, v clamped
+        return f"clip_qkv={config.clip_qkv} is not supported; supported: None"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return f"pretraining_tp={config.pretraining_tp} is not supported; supported: 1"
     rope = rope_type(config)

@@ -47,7 +47,7 @@ from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read
 from pagedkv.models.fallback import FallbackWeights, fallback_weights, settings_state
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights, gemma_cos_sin
 from pagedkv.models.llama import DecoderWeights, extract_weights
-from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, Olmo2Weights, extract_olmo2_weights
+from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, Olmo2Weights, extract_olmo2_weights, olmo2_cos_sin
 # PREPARED_ATTR: the attribute of the HF model that holds its PreparedModel (in the registry: its
 # support check lets a skeleton on meta run only with a shard).
 from pagedkv.models import registry
@@ -132,7 +132,7 @@ def _changed_error(change: str, tp: bool, who: str) -> ModelChanged:
 class PreparedModel:
     # FallbackWeights: a type pagedkv runs by the HF model's own modules (models/fallback.py).
     weights: DecoderWeights | GemmaWeights | Olmo2Weights | FallbackWeights
-    # [max_positions, rot_dim] fp32 from the model's rotary (Gemma: [tables, ...]); None: fallback
+    # [max_positions, rot_dim] fp32 from the model's rotary (Gemma, OLMo-2/3: [tables, ...]); None: fallback
     cos_sin: torch.Tensor | None
     device: torch.device  # where the forward runs (a shard's device may differ from the HF model's)
     dtype: torch.dtype
@@ -184,6 +184,8 @@ class PreparedModel:
                 rope, cos_sin = RopeByLength(rotary, max_positions, device), None
             elif isinstance(weights, GemmaWeights):
                 cos_sin = gemma_cos_sin(model, max_positions, device)
+            elif isinstance(weights, Olmo2Weights):  # OLMo-3: a table per layer type
+                cos_sin = olmo2_cos_sin(model, max_positions, device)
             else:
                 cos_sin = build_cos_sin_cache(model.config, max_positions, device,
                                               rotary_emb=type(rotary)(model.config) if param.is_meta else rotary)
