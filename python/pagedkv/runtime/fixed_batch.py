@@ -25,7 +25,7 @@ from pagedkv.runtime.logits_step import LogitsStep
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import call_digest
 from pagedkv.runtime.prefix_reuse import keep_rows
-from pagedkv.runtime.prompt_lookup import LookupStats, run_prompt_lookup
+from pagedkv.runtime.prompt_lookup import LookupStats, check_lookup, run_prompt_lookup
 from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, capture_step, cuda_graphs_wanted
 from pagedkv.runtime.sampler import Sampler
 
@@ -54,8 +54,7 @@ class GenerationSettings:
     penalize_padding: bool = True
     # HF's cheap processors where the captured step gives HF's logits (hf/generation_config.py)
     processors: FastProcessors | None = None
-    # HF's prompt lookup: up to this many proposed tokens per row and step, from matches of the
-    # row's last max_matching_ngram_size..1 tokens (runtime/prompt_lookup.py); 0: off
+    # HF's prompt lookup (runtime/prompt_lookup.py): tokens proposed per row and step; 0: off
     prompt_lookup_num_tokens: int = 0
     max_matching_ngram_size: int = 2
 
@@ -152,10 +151,8 @@ class FixedBatch:
         # The n rows of a prompt (num_return_sequences) share its full blocks; each has the rest.
         n = settings.num_return_sequences
         lookup = settings.prompt_lookup_num_tokens
-        if lookup and (model.rope is not None or model.tp is not None):
-            raise ValueError("pagedkv.generate: prompt_lookup_num_tokens is not supported yet "
-                             + ("with a length-dependent rope" if model.rope is not None else
-                                "under tensor parallelism") + "; generate without it")
+        if lookup:
+            check_lookup(model)
         num_blocks = sum(len(p) // BLOCK_SIZE + n * (math.ceil((len(p) + max_new) / BLOCK_SIZE)
                                                      - len(p) // BLOCK_SIZE) for p in prompts)
         step_tokens = max(sum(map(len, prompts)), len(prompts) * (lookup + 1))  # prefill, or a verification
@@ -166,10 +163,8 @@ class FixedBatch:
         seq_ids = list(range(len(prompts) * n))
         try:
             if lookup:  # greedy, eager verification steps; its rows are freed by it
-                new_tokens, self.last_prompt_lookup = run_prompt_lookup(
-                    runner, seq_ids, prompts, k=lookup, max_ngram=settings.max_matching_ngram_size,
-                    max_new=max_new, min_new=settings.min_new_tokens, eos_ids=settings.eos_token_ids,
-                    pad=settings.pad_token_id, streamer=streamer, input_ids=input_ids)
+                new_tokens, self.last_prompt_lookup = run_prompt_lookup(runner, seq_ids, prompts, settings,
+                                                                        streamer, input_ids)
                 return new_tokens
             new_tokens = self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs,
                                    decode_loop, base)  # [B * n, N]

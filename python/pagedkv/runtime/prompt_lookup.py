@@ -17,12 +17,30 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
+from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.runner import ModelRunner, StepInput
 from pagedkv.runtime.sampler import Sampler
+
+
+class LookupSettings(Protocol):
+    """What this module reads of fixed_batch.GenerationSettings (that module imports this one)."""
+
+    @property
+    def prompt_lookup_num_tokens(self) -> int: ...
+    @property
+    def max_matching_ngram_size(self) -> int: ...
+    @property
+    def max_new_tokens(self) -> int: ...
+    @property
+    def min_new_tokens(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def pad_token_id(self) -> int | None: ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,13 +66,24 @@ def propose(tokens: Sequence[int], k: int, max_ngram: int) -> list[int]:
     return []
 
 
-def run_prompt_lookup(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]], *,
-                      k: int, max_ngram: int, max_new: int, min_new: int, eos_ids: tuple[int, ...],
-                      pad: int | None, streamer=None, input_ids: torch.Tensor | None = None
+def check_lookup(model: PreparedModel) -> None:
+    """Refuse what prompt lookup does not run with yet."""
+    if model.rope is not None or model.tp is not None:
+        raise ValueError("pagedkv.generate: prompt_lookup_num_tokens is not supported yet "
+                         + ("with a length-dependent rope" if model.rope is not None else
+                            "under tensor parallelism") + "; generate without it")
+
+
+def run_prompt_lookup(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]],
+                      settings: LookupSettings, streamer, input_ids: torch.Tensor
                       ) -> tuple[torch.Tensor, LookupStats]:
-    """The new tokens [B, N] (pad after a row's EOS, N <= max_new) of greedy decoding, and the
-    call's LookupStats. The rows' sequences are added here and freed before returning (their
-    full blocks stay in the prefix cache); on an error the caller frees them."""
+    """The new tokens [B, N] (pad after a row's EOS, N <= max_new_tokens) of greedy decoding,
+    and the call's LookupStats. input_ids [B, S]: the call's (for the streamer). The rows'
+    sequences are added here and freed before returning (their full blocks stay in the prefix
+    cache); on an error the caller frees them."""
+    k, max_ngram = settings.prompt_lookup_num_tokens, settings.max_matching_ngram_size
+    max_new, min_new = settings.max_new_tokens, settings.min_new_tokens
+    eos_ids, pad = settings.eos_token_ids, settings.pad_token_id
     cache, device = runner.cache, runner.device
     batch = len(seq_ids)
     cached = [cache.add_sequence(sid, p) for sid, p in zip(seq_ids, prompts)]
@@ -119,7 +148,7 @@ class _Stream:
     """A streamer gets what a decode step gives it: the prompts, then one column of the batch's
     tokens per new token (pad for finished rows), each as soon as every row has it."""
 
-    def __init__(self, streamer, input_ids: torch.Tensor | None, out: list[list[int]],
+    def __init__(self, streamer, input_ids: torch.Tensor, out: list[list[int]],
                  done: list[bool], pad: int | None):
         self.streamer, self.out, self.done, self.pad, self.sent = streamer, out, done, pad, 0
         if streamer is not None:
