@@ -114,6 +114,38 @@ def test_max_new_tokens_inside_an_accepted_run():
     assert stats(model).accepted == 2 and stats(model).rounds == 1
 
 
+def test_min_new_tokens_inside_an_accepted_run():
+    """EOS is suppressed position by position: an accepted EOS at new token 2 < min_new_tokens
+    is not the greedy token there, so the run breaks and the row goes on as a decode step would."""
+    model = walker()
+    path = walk(model, 11, 6)
+    rows = [path[:5] + [40, 41] + path[:1]]
+    for min_new in (0, 2, 3):
+        check_same(model, rows, max_new_tokens=8, do_sample=False, eos_token_id=path[2],
+                   pad_token_id=0, min_new_tokens=min_new)
+        assert stats(model).rounds >= 1
+
+
+def test_the_prefix_cache_holds_the_fed_tokens_only():
+    """After a call whose rounds truncated rejected tokens, a next turn's prompt (prompt + reply +
+    more) that finds the call's blocks in the prefix cache gives a fresh cache's tokens."""
+    model = tiny_model("llama")
+    torch.manual_seed(3)
+    prompt = torch.randint(3, 256, (21,)).tolist() * 2
+    first = pagedkv.generate(model, torch.tensor([prompt]), max_new_tokens=40, prompt_lookup_num_tokens=4,
+                             **GREEDY)[0].tolist()
+    assert stats(model).proposed > stats(model).accepted
+    # every full block of the fed tokens (all but the last new one) is keyed, and nothing more
+    assert pagedkv.kv_cache_of(model).manager.num_evictable_blocks == (len(first) - 1) // 16
+    turn = first + [7, 8, 9]
+    again = pagedkv.generate(model, torch.tensor([turn]), max_new_tokens=12, **GREEDY)
+    fresh = tiny_model("llama")
+    assert pagedkv.generate(fresh, torch.tensor([prompt]), max_new_tokens=40, **GREEDY)[0].tolist() == first
+    assert torch.equal(again, pagedkv.generate(tiny_model("llama"), torch.tensor([turn]), max_new_tokens=12,
+                                               **GREEDY))  # nothing cached
+    assert_cache_empty(model)
+
+
 def test_streamer_gets_the_decode_steps_columns():
     model = walker()
     path = walk(model, 11, 8)
