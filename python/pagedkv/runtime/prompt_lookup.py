@@ -3,8 +3,9 @@
 row repeats text it already holds, with the tokens of non-speculative greedy decoding.
 
 Each round, every unfinished row proposes up to k tokens (``propose``: the tokens that followed
-the first earlier occurrence of its last n..1 tokens, as HF's PromptLookupCandidateGenerator) and one step of the runner computes its last token and the
-proposal together (k_i + 1 query tokens over the paged cache, prefill attention). The greedy
+the first earlier occurrence of its last n..1 tokens, as HF's PromptLookupCandidateGenerator),
+never more than its remaining max_new_tokens allow, and one step of the runner computes its last
+token and the proposal together (k_i + 1 query tokens over the paged cache, prefill attention). The greedy
 token at each position is taken exactly as the sampler takes it in a decode step (min_new_tokens'
 EOS suppression counted per position); the longest prefix of the proposal equal to them is
 accepted and the row emits it plus the next greedy token. The rejected tokens' slots are given
