@@ -200,6 +200,12 @@ void register_cache_bindings(py::module_& m) {
              self.set_pending_tokens(ids, read_ints<int32_t>(tokens, "token_ids"));
            },
            py::arg("seq_ids"), py::arg("token_ids"))
+      .def("truncate",
+           [](CacheManager& self, py::handle id, py::handle num_tokens) {
+             const int64_t sid = seq_id(id);
+             self.truncate(sid, int_arg<int64_t>(num_tokens, "num_tokens", "[0, its length - 1]"));
+           },
+           py::arg("seq_id"), py::arg("num_tokens"))
       .def("fork",
            [](CacheManager& self, py::handle parent, py::handle child) {
              const int64_t parent_id = seq_id(parent, "parent_id");

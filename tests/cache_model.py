@@ -134,6 +134,8 @@ class CacheModel:
                 self.release(src)
                 seq.blocks[-1] = dst
                 copies.append((src, dst))
+            elif tokens and len(seq.tokens) % self.bs:  # its own reopened block gets other tokens
+                self.unregister_if_last_owner(seq.blocks[-1])
             seq.keyable = seq.keyable and None not in tokens
             for token in tokens:
                 if len(seq.tokens) % self.bs == 0:
@@ -151,9 +153,27 @@ class CacheModel:
             self.add_ref(block)
         self.seqs[child_id] = ModelSequence(list(parent.tokens), list(parent.blocks), parent.keyable)
 
+    def truncate(self, seq_id: int, n: int) -> None:
+        """The last n slots go: emptied blocks leave the prefix cache as they are released; a
+        reopened block keeps its key until append writes into it (model.append)."""
+        seq = self.seqs[seq_id]
+        if not 0 <= n < len(seq.tokens):
+            raise ValueError("bad count")
+        kept = len(seq.tokens) - n
+        keep_blocks = self.blocks_for(kept)
+        for block in reversed(seq.blocks[keep_blocks:]):
+            self.unregister_if_last_owner(block)
+            self.release(block)
+        del seq.blocks[keep_blocks:], seq.tokens[kept:]
+        seq.keyable = None not in seq.tokens
+
+    def unregister_if_last_owner(self, block: int) -> None:
+        if self.ref[block] == 1 and block in self.key_of:
+            del self.block_of[self.key_of.pop(block)]
+
     def free(self, seq_id: int, keep_cached: bool = True) -> None:
         seq = self.seqs.pop(seq_id)
         for block in reversed(seq.blocks):
-            if not keep_cached and self.ref[block] == 1 and block in self.key_of:
-                del self.block_of[self.key_of.pop(block)]
+            if not keep_cached:
+                self.unregister_if_last_owner(block)
             self.release(block)

@@ -1,5 +1,5 @@
 """Fuzzing the C++ cache manager: thousands of seeded random operation sequences (add, prefix
-hits on live and freed prompts, append, reserve, append_batch, fork, free (keeping its blocks in
+hits on live and freed prompts, append, reserve, append_batch, fork, truncate, free (keeping its blocks in
 the prefix cache or not), blocks_needed_*, step
 metadata, and bad calls: unknown, duplicate and reused ids, too long, negative counts), each
 compared after every operation with the Python model (cache_model.py) and checked for
@@ -101,6 +101,12 @@ def fuzz_run(seed: int, steps: int = STEPS) -> dict[str, int]:
             child = seq_id if rng.random() < 0.1 else next_id  # sometimes into an id in use
             next_id += 1
             expect_same_outcome(lambda: model.fork(seq_id, child), lambda: real.fork(seq_id, child), note)
+        elif op < 0.84:  # speculative tokens rejected: the last n slots go
+            n = rng.randint(0, len(model.seqs[seq_id].tokens)) if seq_id in model.seqs else 1
+            valid = seq_id in model.seqs and 0 < n < len(model.seqs[seq_id].tokens)
+            expect_same_outcome(lambda: model.truncate(seq_id, n), lambda: real.truncate(seq_id, n), note)
+            if valid:
+                note("truncated")
         elif op < 0.92:  # keep_cached=False: as after a failed step
             keep = rng.random() < 0.8
             expect_same_outcome(lambda: model.free(seq_id, keep), lambda: real.free(seq_id, keep), note)
@@ -128,5 +134,5 @@ def test_fuzz_reaches_every_outcome():
         for what, n in fuzz_run(seed).items():
             total[what] = total.get(what, 0) + n
     for what in ["done", "cache full", "refused: KeyError", "refused: ValueError", "prefix hit",
-                 "prefix hit on a live sequence", "copy-on-write", "copy-on-write in a batch"]:
+                 "prefix hit on a live sequence", "copy-on-write", "copy-on-write in a batch", "truncated"]:
         assert total.get(what, 0) > 10, f"{what}: {total}"

@@ -1,4 +1,4 @@
-"""Long random runs of add / append / reserve / append_batch / fork / free / step metadata against the
+"""Long random runs of add / append / reserve / append_batch / fork / truncate / free / step metadata against the
 plain-Python model (cache_model.py), checking after every step that the C++ manager agrees with
 the model exactly (block tables, reference counts, eviction order, prefix hits, copies) and
 that its own state is consistent: ref counts equal the number of owners, a block is owned twice
@@ -120,6 +120,14 @@ class CacheMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(self.live_ids()))
         expect_same_outcome(lambda: self.model.free(seq_id, keep_cached),
                             lambda: self.real.free(seq_id, keep_cached))
+
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data())
+    def truncate(self, data):
+        """Speculative tokens a step rejected: the last n slots go (n out of range refused)."""
+        seq_id = data.draw(st.sampled_from(self.live_ids()))
+        n = data.draw(st.integers(-1, len(self.model.seqs[seq_id].tokens)))
+        expect_same_outcome(lambda: self.model.truncate(seq_id, n), lambda: self.real.truncate(seq_id, n))
 
     @rule(seq_id=st.integers(-3, -1))
     def unknown_ids_are_refused(self, seq_id):

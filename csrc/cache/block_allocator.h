@@ -38,11 +38,12 @@ class BlockAllocator {
   // Makes a full block findable by find_cached. A key already held by another block stays with
   // that block (this one then simply is not cached).
   void register_full(int32_t block, uint64_t key, uint64_t parent_key, const int32_t* tokens);
+  // The block leaves the prefix cache (its content is about to change); a no-op if not keyed.
+  void unregister(int32_t block);
 
  private:
   void lru_push_back(int32_t block);
   void lru_remove(int32_t block);
-  void unregister(int32_t block);
 
   int32_t block_size_;
   std::vector<int32_t> ref_;

@@ -167,8 +167,8 @@ int64_t CacheManager::add_sequence(int64_t seq_id, std::span<const int32_t> toke
       allocator_.register_full(seq.blocks[i], keys[i], i > 0 ? keys[i - 1] : kRootHash,
                                tokens.data() + static_cast<int64_t>(i) * block_size_);
     }
-    if (num_full > 0) seq.last_full_key = keys.back();
-    seq.tail_tokens.assign(tokens.begin() + static_cast<int64_t>(num_full) * block_size_, tokens.end());
+    seq.full_keys = std::move(keys);
+    seq.tokens.assign(tokens.begin(), tokens.end());
   }
   sequences_.emplace(seq_id, std::move(seq));
   return static_cast<int64_t>(num_hits) * block_size_;
@@ -230,6 +230,10 @@ void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n
     allocator_.release(src);  // still owned by the sequences it is shared with
     seq.blocks.back() = dst;
     copies.push_back({src, dst});
+  } else if (n > 0 && seq.num_tokens % block_size_ != 0) {
+    // Its own partly filled last block: keyed only if truncate() reopened it, and its slots are
+    // about to hold other tokens.
+    allocator_.unregister(seq.blocks.back());
   }
   for (int64_t i = 0; i < n; ++i) {
     if (seq.num_tokens % block_size_ == 0) seq.blocks.push_back(allocator_.allocate());
@@ -238,18 +242,19 @@ void CacheManager::write_tokens(Sequence& seq, const AppendPlan& plan, int64_t n
     if (!seq.keyable) continue;
     ++seq.named;
     if (!prefix_caching_) continue;
-    seq.tail_tokens.push_back(tokens[i]);
+    seq.tokens.push_back(tokens[i]);
     if (seq.pending == 0) register_if_full(seq);
   }
 }
 
 void CacheManager::register_if_full(Sequence& seq) {
-  if (static_cast<int32_t>(seq.tail_tokens.size()) != block_size_) return;
-  const uint64_t key = chain_hash(seq.last_full_key, seq.tail_tokens.data(), block_size_);
-  const int32_t block = seq.blocks[static_cast<size_t>((seq.named - 1) / block_size_)];
-  allocator_.register_full(block, key, seq.last_full_key, seq.tail_tokens.data());
-  seq.last_full_key = key;
-  seq.tail_tokens.clear();
+  const int64_t n = static_cast<int64_t>(seq.tokens.size());
+  if (n % block_size_ != 0 || n / block_size_ == static_cast<int64_t>(seq.full_keys.size())) return;
+  const int32_t* block_tokens = seq.tokens.data() + (n - block_size_);
+  const uint64_t parent = seq.last_full_key();
+  const uint64_t key = chain_hash(parent, block_tokens, block_size_);
+  allocator_.register_full(seq.blocks[static_cast<size_t>(n / block_size_ - 1)], key, parent, block_tokens);
+  seq.full_keys.push_back(key);
 }
 
 void CacheManager::set_pending_tokens(std::span<const int64_t> seq_ids, std::span<const int32_t> tokens) {
@@ -274,7 +279,7 @@ void CacheManager::set_pending_tokens(std::span<const int64_t> seq_ids, std::spa
     Sequence& seq = find(seq_ids[i]);
     seq.pending = 0;
     if (!prefix_caching_ || !seq.keyable) continue;
-    seq.tail_tokens.back() = tokens[i];
+    seq.tokens.back() = tokens[i];
     register_if_full(seq);
   }
 }
@@ -314,7 +319,7 @@ void CacheManager::name_reserved(int64_t seq_id, std::span<const int32_t> tokens
   for (const int32_t token : tokens) {
     ++seq.named;
     if (!prefix_caching_) continue;
-    seq.tail_tokens.push_back(token);
+    seq.tokens.push_back(token);
     register_if_full(seq);
   }
   seq.keyable = seq.named == seq.num_tokens;
@@ -340,6 +345,33 @@ void CacheManager::append_batch(std::span<const int64_t> seq_ids, std::span<cons
   for (size_t i = 0; i < seq_ids.size(); ++i) {
     write_tokens(*plans_scratch_[i].seq, plans_scratch_[i], 1, &tokens[i], copies);
   }
+}
+
+void CacheManager::truncate(int64_t seq_id, int64_t num_tokens) {
+  Sequence& seq = find(seq_id);
+  if (num_tokens < 0 || num_tokens >= seq.num_tokens) {
+    throw std::invalid_argument("pagedkv: cannot truncate " + str(num_tokens) + " tokens of sequence " +
+                                str(seq_id) + ", which has " + str(seq.num_tokens) + "; allowed: [0, " +
+                                str(seq.num_tokens - 1) + "] (free the sequence to drop all of it)");
+  }
+  if (seq.pending != 0) {
+    throw std::invalid_argument("pagedkv: sequence " + str(seq_id) + " has a slot whose token is not "
+                                "known yet; name it with set_pending_tokens before truncating");
+  }
+  if (num_tokens == 0) return;
+  const int64_t kept = seq.num_tokens - num_tokens;
+  const size_t kept_blocks = static_cast<size_t>(blocks_for(kept));
+  for (size_t b = seq.blocks.size(); b-- > kept_blocks;) allocator_.release(seq.blocks[b], false);
+  seq.blocks.resize(kept_blocks);
+  seq.num_tokens = kept;
+  if (seq.named > kept) {
+    seq.named = kept;
+    if (prefix_caching_) {
+      seq.tokens.resize(static_cast<size_t>(kept));
+      seq.full_keys.resize(static_cast<size_t>(kept / block_size_));
+    }
+  }
+  seq.keyable = seq.named == seq.num_tokens;
 }
 
 void CacheManager::fork(int64_t parent_id, int64_t child_id) {

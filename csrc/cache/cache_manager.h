@@ -45,6 +45,12 @@ class CacheManager {
   // The tokens of pending slots, one per sequence, all or nothing; a block they fill enters the
   // prefix cache now.
   void set_pending_tokens(std::span<const int64_t> seq_ids, std::span<const int32_t> tokens);
+  // Gives back the sequence's last num_tokens slots (e.g. speculative tokens a step rejected),
+  // keeping at least one. Blocks left empty are released and leave the prefix cache (their K/V
+  // may never have been written). A kept, partly emptied block keeps its K/V and its key until
+  // the sequence writes into it again: then it leaves the prefix cache if the sequence holds it
+  // alone, else it is copied first (copy-on-write), as for any shared block.
+  void truncate(int64_t seq_id, int64_t num_tokens);
   // A new sequence sharing all of the parent's blocks (and tokens) by reference count.
   void fork(int64_t parent_id, int64_t child_id);
   // Drops the sequence; its blocks go back (cached full blocks stay findable until evicted, unless

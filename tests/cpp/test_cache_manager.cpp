@@ -87,6 +87,10 @@ void check_invariants(const CacheManager& m) {
     CHECK(seq.num_tokens <= m.max_seq_len());
     // Only slots reserve() left without ids (and those after them) are unnamed.
     CHECK(seq.named <= seq.num_tokens && seq.keyable == (seq.named == seq.num_tokens));
+    if (m.prefix_caching()) {  // the named ids and one chained key per full block of them
+      CHECK(static_cast<int64_t>(seq.tokens.size()) == seq.named);
+      CHECK(static_cast<int64_t>(seq.full_keys.size()) == seq.named / m.block_size());
+    }
     std::vector<int32_t> sorted = seq.blocks;
     std::sort(sorted.begin(), sorted.end());
     CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());
@@ -103,6 +107,50 @@ void check_invariants(const CacheManager& m) {
   CHECK(used + m.allocator().num_free() == n);
   for (const int32_t b : m.allocator().evictable_blocks()) CHECK(owners[b] == 0);
   if (!m.prefix_caching()) CHECK(m.allocator().num_evictable() == 0);
+}
+
+// truncate() gives back the last slots; a reopened block keeps its K/V and key until the sequence
+// writes other tokens into it, and never stays findable under its old tokens after that.
+void test_truncate() {
+  CacheManager m(8, 4, 64, true);
+  std::vector<BlockCopy> copies;
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  const std::vector<int32_t> again = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  const std::vector<int32_t> other = {1, 2, 3, 4, 5, 6, 0, 0, 9};
+  m.add_sequence(0, prompt);  // blocks 0, 1 full and keyed, block 2 partial
+  m.truncate(0, 4);           // 6 tokens: block 2 freed, block 1 reopened
+  CHECK(m.sequence(0).num_tokens == 6 && m.sequence(0).blocks.size() == 2);
+  CHECK(m.allocator().num_free() == 6 && m.allocator().num_evictable() == 0);
+  CHECK(m.blocks_needed_to_add(again) == 1);  // block 1 still holds 5 6 7 8
+  m.append_tokens(0, std::vector<int32_t>{0, 0}, copies);  // written in place: 5 6 0 0
+  CHECK(copies.empty());
+  CHECK(m.blocks_needed_to_add(again) == 2);  // the old key is gone
+  CHECK(m.add_sequence(1, other) == 8);       // the new one hits
+  CHECK(m.sequence(1).blocks[1] == m.sequence(0).blocks[1]);
+  // Reopened while shared, then left alone by the other owner: written in place, key dropped.
+  m.truncate(1, 3);  // 6 tokens
+  m.free_sequence(0);
+  CHECK(m.allocator().ref_count(m.sequence(1).blocks[1]) == 1);
+  m.append_tokens(1, std::vector<int32_t>{3}, copies);
+  CHECK(copies.empty() && m.blocks_needed_to_add(other) == 2);
+  // Reopened while shared and written while still shared: copied first.
+  m.append_tokens(1, std::vector<int32_t>{3, 9}, copies);  // 1 2 3 4 | 5 6 3 3 | 9
+  m.fork(1, 2);
+  m.truncate(2, 2);  // 7 tokens, block 1 shared with sequence 1
+  m.append_tokens(2, std::vector<int32_t>{1}, copies);
+  CHECK(copies.size() == 1 && copies[0].src == m.sequence(1).blocks[1]);
+  EXPECT_THROW(std::invalid_argument, [&] { m.truncate(2, 8); });  // would leave no token
+  EXPECT_THROW(std::invalid_argument, [&] { m.truncate(2, -1); });
+  EXPECT_THROW(UnknownSequence, [&] { m.truncate(7, 1); });
+  m.append_batch(std::vector<int64_t>{2}, std::vector<int32_t>{kPendingToken}, copies);
+  EXPECT_THROW(std::invalid_argument, [&] { m.truncate(2, 1); });  // its pending token first
+  // Reserved slots truncated away make the sequence keyable again.
+  m.reserve(1, 3, copies);
+  CHECK(!m.sequence(1).keyable);
+  m.truncate(1, 3);
+  CHECK(m.sequence(1).keyable && m.sequence(1).named == 9);
+  for (const int64_t id : m.sequence_ids()) m.free_sequence(id);
+  CHECK(m.allocator().num_free() == 8);
 }
 
 void test_constructor_refuses_bad_sizes() {
@@ -302,7 +350,7 @@ void random_run(uint32_t seed, int num_ops) {
     try {
       const std::vector<int64_t> ids = random_ids(6, true);
       const int64_t some = ids.empty() ? -1 : ids[0];
-      switch (pick(0, 9)) {
+      switch (pick(0, 10)) {
         case 0: case 1: m.add_sequence(next_id++, random_tokens(pick(0, static_cast<int>(max_seq_len) + 2))); break;
         case 2: m.append_tokens(some, random_tokens(pick(0, 9)), copies); break;
         case 3: m.reserve(some, random_count(rng, 9), copies); break;
@@ -321,6 +369,7 @@ void random_run(uint32_t seed, int num_ops) {
           break;
         }
         case 9: if (pick(0, 3) == 0) m.drop_cached(); break;
+        case 10: m.truncate(some, m.contains(some) ? pick(-1, static_cast<int>(m.sequence(some).num_tokens)) : 1); break;
         default: {
           std::vector<int32_t> lens;
           for (const int64_t id : ids) {
@@ -366,6 +415,7 @@ int main(int argc, char** argv) {
   test_errors_change_nothing();
   test_step_metadata_errors();
   test_counts_at_the_boundary();
+  test_truncate();
   for (int seed = 0; seed < runs; ++seed) random_run(static_cast<uint32_t>(seed), ops);
   std::printf("test_cache_manager: %d random runs x %d operations (%d done, %d cache full, %d refused), "
               "%d checks passed\n", runs, ops, g_done, g_full, g_refused, g_checks);

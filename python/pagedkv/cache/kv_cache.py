@@ -217,6 +217,13 @@ class KVCache:
         all or nothing."""
         self.manager.set_pending_tokens(seq_ids, token_ids)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Give back the sequence's last num_tokens slots (speculative tokens a step rejected),
+        num_tokens in [0, its length - 1]; their K/V are simply written again later. Blocks left
+        empty go back to the free blocks and leave the prefix cache; a partly emptied block
+        leaves it when the sequence next writes into it (or is copied first if shared)."""
+        self.manager.truncate(seq_id, num_tokens)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """A new sequence sharing all of the parent's tokens and blocks (copy-on-write)."""
         self.manager.fork(parent_id, child_id)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 INTEGER_FIELDS = ("max_new_tokens", "max_length", "min_new_tokens", "min_length", "top_k",
-                  "pad_token_id", "bos_token_id")
+                  "pad_token_id", "bos_token_id", "prompt_lookup_num_tokens", "max_matching_ngram_size")
 REAL_FIELDS = ("temperature", "top_p", "repetition_penalty")
 FLAG_FIELDS = ("do_sample", "return_dict_in_generate", "use_cache")
 _INT_FORMS = "an integer (an int, a NumPy integer or a 0-d tensor)"

@@ -171,6 +171,11 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
     # None: the fast path (no processor, criterion or scores asked for). Rows as HF expands them.
     decode = None if beams else processed_decode(model, _rows(input_ids, n), _rows(attention_mask, n),
                                                  generation_config, kwargs, call, settings, streamer)
+    if decode is not None and settings.prompt_lookup_num_tokens:
+        raise UnsupportedGenerationArgument(
+            "pagedkv.generate: prompt_lookup_num_tokens is not supported yet with HF's processed path "
+            "(logits_processor, stopping_criteria, prefix_allowed_tokens_fn, output_scores or "
+            "output_logits); drop them or prompt_lookup_num_tokens")
     state = prepared(model)
     kv_dtype, kv_scales = kv_cache_options(model, state, *kv_args, "pagedkv.generate", beams=beams,
                                            input_ids=input_ids, attention_mask=attention_mask)

@@ -35,7 +35,7 @@ SUPPORTED_FIELDS = PROCESSED_FIELDS | frozenset({
     "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature",
     "top_k", "top_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id",
     "return_dict_in_generate", "use_cache", "num_beams", "num_return_sequences", "early_stopping",
-    "length_penalty",
+    "length_penalty", "prompt_lookup_num_tokens", "max_matching_ngram_size",
     # Carried by many checkpoints' generation_config.json; they change nothing.
     "transformers_version", "_from_model_config",
     "cache_implementation", "disable_compile", "compile_config",
@@ -208,12 +208,33 @@ def resolve_generation(
     in_use = settings_in_use(config, PROCESSED_FIELDS - {"output_scores", "output_logits"})
     processors = (fast_processors(config, in_use, config_eos_ids, model.config.vocab_size, do_sample, top_p)
                   if in_use else None)
+    beams = _beams(config)
+    lookup = _prompt_lookup(values, do_sample, penalty, beams["num_beams"], in_use)
     return GenerationSettings(
         max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_ids, pad_token_id=pad,
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         repetition_penalty=penalty, return_dict_in_generate=bool(values["return_dict_in_generate"]),
-        penalize_padding=hf_penalizes_padding(), processors=processors, **_beams(config),
+        penalize_padding=hf_penalizes_padding(), processors=processors, **beams, **lookup,
     )
+
+
+def _prompt_lookup(values: dict[str, Any], do_sample: bool, penalty: float, num_beams: int,
+                   in_use: list[str]) -> dict[str, int]:
+    """prompt_lookup_num_tokens and max_matching_ngram_size (HF's default 2 when unset), checked;
+    refuses, naming them, the settings prompt lookup does not run with yet."""
+    k, n = values["prompt_lookup_num_tokens"], values["max_matching_ngram_size"]
+    for name, value in (("prompt_lookup_num_tokens", k), ("max_matching_ngram_size", n)):
+        if value is not None and value <= 0:
+            raise ValueError(f"pagedkv.generate: {name}={value}; it must be >= 1")
+    if not k:
+        return {}
+    refused = [name for name, on in (("do_sample=True", do_sample), ("num_beams > 1", num_beams > 1),
+                                     ("repetition_penalty", penalty != 1.0)) if on] + in_use
+    if refused:
+        raise UnsupportedGenerationArgument(
+            f"pagedkv.generate: prompt_lookup_num_tokens runs greedy decoding without logits "
+            f"processors for now; not supported yet with {', '.join(refused)}")
+    return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": n or 2}
 
 
 def _beams(config: GenerationConfig) -> dict[str, int]:

@@ -25,6 +25,7 @@ from pagedkv.runtime.logits_step import LogitsStep
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import call_digest
 from pagedkv.runtime.prefix_reuse import keep_rows
+from pagedkv.runtime.prompt_lookup import LookupStats, check_lookup, run_prompt_lookup
 from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, capture_step, cuda_graphs_wanted
 from pagedkv.runtime.sampler import Sampler
 
@@ -53,6 +54,9 @@ class GenerationSettings:
     penalize_padding: bool = True
     # HF's cheap processors where the captured step gives HF's logits (hf/generation_config.py)
     processors: FastProcessors | None = None
+    # HF's prompt lookup (runtime/prompt_lookup.py): tokens proposed per row and step; 0: off
+    prompt_lookup_num_tokens: int = 0
+    max_matching_ngram_size: int = 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,6 +120,7 @@ class FixedBatch:
         self._weights_version: int | None = None  # of the weights the cached K/V came from
         self.kv_dtype = model.dtype  # the cache's: generate()'s kv_cache_dtype, set per call
         self.kv_scales: list[tuple[float, float]] | None = None  # an fp8 cache's (cache/kv_dtype.py)
+        self.last_prompt_lookup: LookupStats | None = None  # the last prompt-lookup call's counts
 
     def note_weights(self, version: int) -> None:
         """Drop the cached K/V when the weights were written in place since the last call
@@ -145,14 +150,22 @@ class FixedBatch:
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
         # The n rows of a prompt (num_return_sequences) share its full blocks; each has the rest.
         n = settings.num_return_sequences
+        lookup = settings.prompt_lookup_num_tokens
+        if lookup:
+            check_lookup(model)
         num_blocks = sum(len(p) // BLOCK_SIZE + n * (math.ceil((len(p) + max_new) / BLOCK_SIZE)
                                                      - len(p) // BLOCK_SIZE) for p in prompts)
-        runner = self._runner_for(num_blocks, len(prompts) * n, sum(map(len, prompts)), longest)
+        step_tokens = max(sum(map(len, prompts)), len(prompts) * (lookup + 1))  # prefill, or a verification
+        runner = self._runner_for(num_blocks, len(prompts) * n, step_tokens, longest)
         runner.insist_graphs = use_cuda_graphs is True  # a step that cannot be captured raises
         # Rows of a call interrupted in its own clean-up; their K/V may be unwritten.
         runner.cache.free_all(keep_cached=False)
         seq_ids = list(range(len(prompts) * n))
         try:
+            if lookup:  # greedy, eager verification steps; its rows are freed by it
+                new_tokens, self.last_prompt_lookup = run_prompt_lookup(runner, seq_ids, prompts, settings,
+                                                                        streamer, input_ids)
+                return new_tokens
             new_tokens = self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs,
                                    decode_loop, base)  # [B * n, N]
             keep_rows(runner.cache, seq_ids, new_tokens, settings.eos_token_ids)
