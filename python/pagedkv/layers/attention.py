@@ -15,8 +15,7 @@ take k_scale, v_scale (one-element fp32 tensors on the device; default: the cach
 ``float(x) * scale`` and accumulate in fp32 as for a 16-bit cache (online softmax over the keys).
 On CUDA fp8 runs a simple CUDA-core kernel (kernels/paged_decode_attention_fp8.cu: one warp per
 query row and head, no splits): correct first, fast later; the 16-bit kernels are unchanged.
-The ops' fake (meta) implementations for torch.compile are registered here, with their fp8
-arguments (ops.py is full).
+The ops' fake (meta) implementations for torch.compile sit beside them in pagedkv/ops/.
 """
 
 from __future__ import annotations
@@ -67,23 +66,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                       scale, workspace=workspace, sliding_window=sliding_window,
                                       logit_softcap=logit_softcap)
-
-
-@torch.library.register_fake("pagedkv::paged_decode_attention")
-def _paged_decode_attention_fake(out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace,
-                                 num_splits=0, sliding_window=0, logit_softcap=0.0, k_scale=None,
-                                 v_scale=None) -> None:
-    return None
-
-
-@torch.library.register_fake("pagedkv::paged_prefill_attention")
-def _paged_prefill_attention_fake(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                  scale, max_query_len, workspace=None, sliding_window=0,
-                                  logit_softcap=0.0, k_scale=None, v_scale=None) -> None:
-    return None
-
-
-@torch.library.register_fake("pagedkv::rope_and_write_kv")
-def _rope_and_write_kv_fake(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                            q_norm_weight, k_norm_weight, epsilon, k_scale=None, v_scale=None) -> None:
-    return None
