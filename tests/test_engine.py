@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import pagedkv
+import tp_worker
 from pagedkv import LLM, SamplingParams
 from models import tiny_model
+from pagedkv.runtime.model import prepared
 
 # Every test runs with the engine stepping serially and overlapped (conftest.engine_overlap).
 pytestmark = pytest.mark.usefixtures("engine_overlap")
@@ -58,6 +60,20 @@ def assert_llm_gives_hf_greedy_tokens(llm: LLM, model, prompts, greedy: dict) ->
         hf = model.generate(torch.tensor([prompt], device=model.device), **greedy)
         assert tokens == hf[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
     assert_no_leaks(llm)
+
+
+def assert_native_generate_gives_hf_tokens(model, weights_type: type, greedy: dict) -> None:
+    """pagedkv.generate on a left-padded batch of two prompts (CUDA graphs on CUDA) runs `model`
+    natively on `weights_type` and gives HF generate's greedy tokens (`greedy`: its arguments,
+    which must make >= 4 distinct tokens, so a stuck model fails); nothing held after."""
+    assert pagedkv.support_path(model) == "native", pagedkv.unsupported_reason(model)
+    ids, mask = tp_worker.left_padded([5, 19], 256, str(model.device), seed=1)
+    expected = model.generate(ids, attention_mask=mask, **greedy)  # [2, 19 + new]
+    assert len(set(expected[:, ids.shape[1]:].flatten().tolist())) >= 4, expected
+    got = pagedkv.generate(model, ids, attention_mask=mask, **greedy)
+    assert type(prepared(model).weights) is weights_type
+    assert torch.equal(got, expected)
+    assert_nothing_held(model)
 
 
 def check_greedy(llm: LLM, prompts, arch="llama"):

@@ -16,7 +16,8 @@ from conftest import DEVICES
 from models import widen
 from pagedkv.models import gemma, registry
 from pagedkv.runtime.model import prepared
-from test_engine import assert_llm_gives_hf_greedy_tokens, assert_nothing_held, random_prompts
+from test_engine import (assert_llm_gives_hf_greedy_tokens, assert_native_generate_gives_hf_tokens,
+                         assert_nothing_held, random_prompts)
 
 COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=256, max_position_embeddings=512,
@@ -55,15 +56,7 @@ def tiny(name: str, device: str = "cpu", seed: int = 0, **fields):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_generate_gives_hf_greedy_tokens(name, device):
-    model = tiny(name, device)
-    assert pagedkv.support_path(model) == "native", pagedkv.unsupported_reason(model)
-    ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=1)
-    expected = model.generate(ids, attention_mask=mask, **GREEDY)  # [2, 19 + 16]
-    assert len(set(expected[:, ids.shape[1]:].flatten().tolist())) >= 4, expected
-    got = pagedkv.generate(model, ids, attention_mask=mask, **GREEDY)  # CUDA graphs on CUDA
-    assert isinstance(prepared(model).weights, gemma.GemmaWeights)
-    assert torch.equal(got, expected)
-    assert_nothing_held(model)
+    assert_native_generate_gives_hf_tokens(tiny(name, device), gemma.GemmaWeights, GREEDY)
 
 
 @pytest.mark.parametrize("device", DEVICES)
