@@ -31,6 +31,7 @@ from pagedkv.layers.rotary import build_cos_sin_cache
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import layer_path, path_reason
+from pagedkv.models.windows import layer_types, rope_kinds
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 ACTIVATION = "gelu_pytorch_tanh"  # HF's name of torch's gelu(approximate="tanh"); ops: "gelu_tanh"
@@ -82,17 +83,6 @@ def _activation(config) -> str | None:
     return getattr(config, "hidden_activation", None)
 
 
-def _layer_types(config) -> list[str]:
-    if config.model_type == "gemma":
-        return ["full_attention"] * config.num_hidden_layers
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-
-
-def _rope_kinds(config) -> list[str]:
-    """The rotary tables: Gemma-3 has one per layer type (its rotary takes the layer type)."""
-    return sorted(set(_layer_types(config))) if config.model_type == "gemma3_text" else ["full_attention"]
-
-
 def _attention_softcap(config) -> float:
     # Gemma-3's attention passes no softcap to HF's attention function, whatever the config says.
     if config.model_type != "gemma2":
@@ -118,7 +108,7 @@ def gemma_reason(model, head_dims: tuple[int, ...]) -> str | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim not in head_dims:
         return f"head_dim {head_dim} is not supported; supported: {', '.join(map(str, head_dims))}"
-    unknown = set(_layer_types(config)) - set(LAYER_TYPES)
+    unknown = set(layer_types(config)) - set(LAYER_TYPES)
     if unknown:
         return f"layer_types {sorted(unknown)} are not supported; supported: {', '.join(LAYER_TYPES)}"
     if getattr(config, "use_bidirectional_attention", False):
@@ -141,7 +131,7 @@ def extract_gemma_weights(model) -> GemmaWeights:
     """Take (and fuse, in place: see models/llama.py's extract_weights) the weights of an HF
     Gemma/Gemma-2/Gemma-3 *ForCausalLM. Call outside inference mode."""
     config, inner = model.config, model.model
-    layer_types, kinds = _layer_types(config), _rope_kinds(config)
+    types, kinds = layer_types(config), rope_kinds(config)
     layers = []
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -149,7 +139,7 @@ def extract_gemma_weights(model) -> GemmaWeights:
         gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj], False)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         pre_ff, post_ff = getattr(layer, "pre_feedforward_layernorm", None), getattr(layer, "post_feedforward_layernorm", None)
-        sliding = layer_types[i] == "sliding_attention"
+        sliding = types[i] == "sliding_attention"
         layers.append(GemmaLayerWeights(
             input_norm=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=qkv_bias,
             q_norm=None if q_norm is None else q_norm.weight.detach(),
@@ -160,7 +150,7 @@ def extract_gemma_weights(model) -> GemmaWeights:
             post_ff_norm=None if post_ff is None else post_ff.weight.detach(),
             gate_up=gate_up, down=mlp.down_proj.weight.detach(),
             window=int(config.sliding_window) if sliding and config.sliding_window else 0,
-            rope=kinds.index(layer_types[i]) if len(kinds) > 1 else 0,
+            rope=kinds.index(types[i]) if len(kinds) > 1 else 0,
         ))
     embed = inner.embed_tokens.weight.detach()
     scale = getattr(inner.embed_tokens, "embed_scale", None)  # fp32 [] buffer in transformers 5
@@ -186,7 +176,7 @@ def gemma_cos_sin(model, max_positions: int, device: torch.device) -> torch.Tens
     on = next(rotary.buffers()).device
     positions = torch.arange(max_positions, device=on)[None]  # int64, as HF's position_ids
     tables = []
-    for kind in _rope_kinds(config):
+    for kind in rope_kinds(config):
         cos, sin = rotary(torch.empty(1, dtype=torch.float32, device=on), positions, kind)
         half = cos.shape[-1] // 2
         tables.append(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(device))

@@ -34,6 +34,7 @@ from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged
 from pagedkv.layers.rotary import build_cos_sin_cache, rope_type
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import layer_path, path_reason
+from pagedkv.models.windows import layer_types, rope_kinds
 
 OLMO2_MODEL_TYPES = ("olmo2", "olmo3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -71,23 +72,12 @@ class Olmo2Weights:
     scale: float
 
 
-def _layer_types(config) -> list[str]:
-    if config.model_type == "olmo2":
-        return ["full_attention"] * config.num_hidden_layers
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-
-
-def _rope_kinds(config) -> list[str]:
-    """The rotary tables: OLMo-3 has one per layer type (its rotary takes the layer type)."""
-    return sorted(set(_layer_types(config))) if config.model_type == "olmo3" else ["full_attention"]
-
-
 def _rope_types(config) -> list[str]:
     """Each rotary table's rope type (OLMo-3's rope_parameters hold one dict per layer type)."""
     if config.model_type != "olmo3":
         return [rope_type(config)]
     params = getattr(config, "rope_parameters", None) or {}
-    return [(params.get(kind) or {}).get("rope_type", "default") for kind in _rope_kinds(config)]
+    return [(params.get(kind) or {}).get("rope_type", "default") for kind in rope_kinds(config)]
 
 
 def olmo2_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...]) -> str | None:
@@ -98,7 +88,7 @@ def olmo2_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...])
         return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act={config.hidden_act!r} is not supported; supported: 'silu'"
-    unknown = set(_layer_types(config)) - set(LAYER_TYPES)
+    unknown = set(layer_types(config)) - set(LAYER_TYPES)
     if unknown:
         return f"layer_types {sorted(unknown)} are not supported; supported: {', '.join(LAYER_TYPES)}"
     for kind in _rope_types(config):
@@ -120,7 +110,7 @@ def extract_olmo2_weights(model) -> Olmo2Weights:
     """Take (and fuse, in place: see models/llama.py's extract_weights) the weights of an HF
     Olmo2ForCausalLM or Olmo3ForCausalLM. Call outside inference mode."""
     config, inner = model.config, model.model
-    layer_types, kinds = _layer_types(config), _rope_kinds(config)
+    types, kinds = layer_types(config), rope_kinds(config)
     window = int(getattr(config, "sliding_window", None) or 0)
     layers = []
     for i, layer in enumerate(inner.layers):
@@ -133,7 +123,7 @@ def extract_olmo2_weights(model) -> Olmo2Weights:
             post_attn_norm=layer.post_attention_layernorm.weight.detach(),
             post_ff_norm=layer.post_feedforward_layernorm.weight.detach(),
             gate_up=gate_up, down=mlp.down_proj.weight.detach(),
-            window=window if layer_types[i] == "sliding_attention" else 0, rope=kinds.index(layer_types[i]),
+            window=window if types[i] == "sliding_attention" else 0, rope=kinds.index(types[i]),
         ))
     attn0 = inner.layers[0].self_attn
     return Olmo2Weights(
@@ -154,7 +144,7 @@ def olmo2_cos_sin(model, max_positions: int, device: torch.device) -> torch.Tens
     on = next(rotary.buffers()).device
     positions = torch.arange(max_positions, device=on)[None]  # int64, as HF's position_ids
     tables = []
-    for kind in _rope_kinds(config):
+    for kind in rope_kinds(config):
         cos, sin = rotary(torch.empty(1, dtype=torch.float32, device=on), positions, kind)  # [1, P, Dh]
         half = cos.shape[-1] // 2
         tables.append(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(device))

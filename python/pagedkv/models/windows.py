@@ -27,3 +27,23 @@ def layer_windows(config) -> list[int]:
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
         return [window if kind == "sliding_attention" else 0 for kind in layer_types]
     return [0] * num_layers
+
+
+# Gemma's and OLMo-2's modeling attend every layer to the whole context (their configs may still
+# carry layer_types); Gemma-3's and OLMo-3's rotary takes the layer type: one table per type.
+FULL_ATTENTION_ONLY = ("gemma", "olmo2")
+ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
+
+
+def layer_types(config) -> list[str]:
+    """[num_layers]: each layer's HF layer type ("full_attention", "sliding_attention", ...) for the
+    Gemma and OLMo-2 families (models/gemma.py, models/olmo2.py)."""
+    full = ["full_attention"] * config.num_hidden_layers
+    if config.model_type in FULL_ATTENTION_ONLY:
+        return full
+    return list(getattr(config, "layer_types", None) or full)
+
+
+def rope_kinds(config) -> list[str]:
+    """The layer types that have a rotary table of their own (sorted), or one shared table."""
+    return sorted(set(layer_types(config))) if config.model_type in ROPE_PER_LAYER_TYPE else ["full_attention"]
