@@ -149,6 +149,21 @@ def test_desc_act_permutes_x(device, dtype, rows):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [32, 160, 416])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_k_not_a_multiple_of_128(device, dtype, in_features, rows):
+    """k of 1, 5 and 13 pieces of 32 (the tensor-core kernel's lanes take 128 k a step), with
+    zero points up to 16 (GPTQ's offset) and scales in x's dtype, which route there on CUDA."""
+    layer, canonical = random_layer(in_features, 24, 32, dtype, device)
+    canonical.zeros = torch.randint(0, 17, canonical.zeros.shape, dtype=torch.uint8)
+    layer.zeros = canonical.zeros.to(device)
+    x = torch.randn(rows, in_features, dtype=dtype, device=device)
+    assert_close_to_baseline(linear_w4a16_weight(x, layer), baseline=reference(x, canonical, dtype),
+                             reference=reference(x.double(), canonical, torch.float64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_strided_rows(device):
     """x a column slice of a wider buffer (a fused projection's output): rows of any stride."""
     layer, canonical = random_layer(128, 16, 32, torch.float16, device)

@@ -108,6 +108,17 @@ def test_linear_nf4(device, dtype, block_size, in_features, out_features, rows):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [32, 96, 416])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_k_not_a_multiple_of_128(device, dtype, in_features, rows):
+    """k of 1, 3 and 13 pieces of 32 codes (the tensor-core kernel's lanes take 128 k a step)."""
+    layer, canonical = random_layer(in_features, 40, 32, device)
+    x = torch.randn(rows, in_features, dtype=dtype, device=device)
+    assert_matches_reference(linear_nf4_weight(x, layer), x, canonical, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [1, 8])
 def test_unstreamable_block_and_leading_dims(device, rows):
     """A block of 16 (not a multiple of the kernel's 32-code pieces) goes to the dequantize +

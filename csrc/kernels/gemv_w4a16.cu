@@ -1,4 +1,5 @@
-// Int4 weight-only skinny GEMM for decode steps: the weight-streaming skeleton of
+// Int4 weight-only skinny GEMM for decode steps. Scales in x's dtype go to the tensor-core kernel
+// (gemv_4bit_mma.cu); others (fp16 scales with bf16 x) to this one: the weight-streaming skeleton of
 // gemv_dequant.cuh with this format's 16-byte piece: 32 int4 values of one group, dequantized to
 // fp32 ((q - zero) * scale is exact in fp32: a 5-bit integer times a 16-bit scale) and summed
 // straight into the accumulators.
@@ -6,6 +7,7 @@
 
 #include "kernels/gemv_dequant.cuh"
 #include "kernels/gemv_w4a16.h"
+#include "kernels/gemv_4bit_mma.h"
 
 namespace pagedkv::kernels {
 namespace {
@@ -50,6 +52,10 @@ cudaError_t gemv_w4a16(void* out, const void* x, int64_t x_stride, const int32_t
                        const void* scales, const uint8_t* zeros, int m, int n, int k, int group_size,
                        DType dtype, DType scale_dtype, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
+  // Scales in x's dtype (what checkpoints of 16-bit models store): the tensor-core kernel.
+  if (scale_dtype == dtype && m <= 8 && gemv_4bit_mma_enabled()) {
+    return gemv_w4a16_mma(out, x, x_stride, packed, scales, zeros, m, n, k, group_size, dtype, stream);
+  }
   return dispatch_dtype(scale_dtype, [&](auto scale_tag) -> cudaError_t {
     using S = decltype(scale_tag);
     if constexpr (sizeof(S) != 2) {

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "kernels/common.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/rms_norm.cuh"
 #include "kernels/peer_all_reduce.h"
 
@@ -63,6 +64,9 @@ peer_all_reduce_add_rms_norm_kernel(T* input, T* residual, const T* __restrict__
                                     int64_t rows, int hidden, float epsilon, PeerBuffers buffers,
                                     int rank, int world_size, size_t data_bytes,
                                     uint64_t timeout_ns) {
+  // Launched dependently: the next kernel (a GEMV) is scheduled beside this one's 32 blocks and
+  // streams its first weight bytes into L2 while these wait for the peers' data.
+  begin_dependent_kernel();
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kBytes = sizeof(T);
   using V = Vec<T, kVec>;
@@ -157,9 +161,9 @@ cudaError_t peer_all_reduce_add_rms_norm(void* input, void* residual, const void
     constexpr int kVec = 16 / sizeof(T);
     const int num_vecs = hidden / kVec;
     const int threads = num_vecs >= 1024 ? 1024 : (num_vecs + 31) / 32 * 32;
-    peer_all_reduce_add_rms_norm_kernel<T><<<kPeerBlocks, threads, 0, stream>>>(
-        static_cast<T*>(input), static_cast<T*>(residual), static_cast<const T*>(weight), rows,
-        hidden, epsilon, buffers, rank, world_size, data_bytes, timeout_ns);
+    launch_dependent(peer_all_reduce_add_rms_norm_kernel<T>, kPeerBlocks, threads, 0, stream,
+                     static_cast<T*>(input), static_cast<T*>(residual), static_cast<const T*>(weight),
+                     rows, hidden, epsilon, buffers, rank, world_size, data_bytes, timeout_ns);
     return cudaGetLastError();
   });
 }

@@ -1,0 +1,280 @@
+// 4-bit weight skinny GEMM on tensor cores for 1..8 rows of x, for int4 (zero point + scale per
+// group) and NF4 (codebook + absmax per block): out^T[n, m] = W[n, k] x^T with mma.sync.m16n8k16
+// (A = 16 weight rows x 16 k dequantized to x's dtype, B = 16 k x 8 rows of x zero-padded, C fp32).
+//
+// Why not the CUDA-core skeleton (gemv_dequant.cuh) at these sizes: there each 4-bit value costs
+// an int-to-float conversion (a quarter-rate instruction on Hopper) or a table load, a multiply and
+// one FMA per row of x, and the SMs run out of issue slots at ~40% of the memory bandwidth at
+// batch 1 and far below at batch 8. Here the tensor cores do every multiply-add whatever the rows,
+// and int4 pairs dequantize with no conversion at all, two values a register in three
+// instructions:
+//   lop3(word >> 4s, 0x000F000F, magic) = (M + q_lo, M + q_hi)   M = 128 (bf16) or 1024 (fp16):
+//                                        the float with M's exponent and q in the low mantissa bits
+//   sub (M + z, M + z)                  = (q_lo - z, q_hi - z)    exact: small integers
+//   mul (s, s)                          = the dequantized pair    rounded once to T, as
+//                                                                 PyTorch's (q - z) * s in T is
+// NF4 pairs are two codebook loads from shared memory times the absmax in fp32, rounded once to T.
+//
+// Fragment order (as gemv_mma.cu: a dot product's k order is free, so any bijection of k onto the
+// fragment slots that A and B share will do): lane (g = lane / 4, t = lane % 4) loads the 16 bytes
+// = 32 k of weight rows g and g + 8 starting at k0 = 128 step + 32 t. Each 32-bit word j of the
+// piece gives four A registers ("pairs" s = 0..3, the format says which two k each holds); the B
+// register for the same slots is x[g] at those two k. Pairs s = 0, 1 feed one mma (slots 2t.. and
+// 2t + 8..), s = 2, 3 the next: 8 mma per 16-byte piece of each of the two rows. A CTA owns 16
+// weight rows; its kSplit warps share k (steps of 128) and reduce through shared memory at the end.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/common.cuh"
+#include "kernels/dependent_launch.cuh"
+#include "kernels/gemv_4bit_mma.h"
+#include "kernels/mma.cuh"
+
+namespace pagedkv::kernels {
+namespace {
+
+constexpr int kSplit = 8;   // warps per CTA sharing one 16-row tile's k range: a W1 o/down
+                            // projection has 224 tiles, so 8 warps a tile keep ~14 warps an SM
+                            // loading
+constexpr int kUnroll = 4;  // 128-k steps loaded per warp before the first mma
+constexpr int kStepK = 128;  // k per step: 4 lanes (t) x 32 int4 values
+
+template <typename T>
+struct Magic;  // the 16-bit float M whose mantissa's low bits take an int4 value exactly
+template <>
+struct Magic<__nv_bfloat16> {
+  static constexpr uint32_t kBits = 0x4300;  // 128: ulp 1 on [128, 256)
+  static constexpr float kValue = 128.f;
+};
+template <>
+struct Magic<__half> {
+  static constexpr uint32_t kBits = 0x6400;  // 1024: ulp 1 on [1024, 2048)
+  static constexpr float kValue = 1024.f;
+};
+
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t d;  // (a & mask) | bits in one instruction
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+  return d;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b) {
+  using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+  T2 r = __hsub2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+  using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+  T2 r = __hmul2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t broadcast2(T v) {
+  const uint32_t bits = *reinterpret_cast<const uint16_t*>(&v);
+  return bits | (bits << 16);
+}
+
+// Int4 with a zero point and a scale per group: pair s (0..3) of a word = nibbles s and s + 4,
+// i.e. k (8j + s, 8j + s + 4); x's matching pair takes one byte permute.
+template <typename T>
+struct Int4Format {
+  const T* scales;       // [n, groups]
+  const uint8_t* zeros;  // [n, groups]
+  int group_size;
+
+  struct Piece {  // one row's group constants, as 16-bit pairs
+    uint32_t zero2, scale2;
+    __device__ __forceinline__ uint32_t pair(uint32_t word, int s) const {
+      const uint32_t magic2 = Magic<T>::kBits | (Magic<T>::kBits << 16);
+      return mul2<T>(sub2<T>(lop3_and_or(word >> (4 * s), 0x000F000Fu, magic2), zero2), scale2);
+    }
+  };
+  __device__ __forceinline__ Piece piece(int row, int groups, int p) const {
+    const int64_t at = static_cast<int64_t>(row) * groups + p * 32 / group_size;
+    return {broadcast2<T>(static_cast<T>(Magic<T>::kValue + __ldg(zeros + at))), broadcast2<T>(scales[at])};
+  }
+  __device__ __forceinline__ int groups(int k) const { return k / group_size; }
+  static __device__ __forceinline__ uint32_t x_pair(const uint4& xv, int s) {
+    const uint32_t lo = s < 2 ? xv.x : xv.y;  // k 8j + s is in word s / 2
+    const uint32_t hi = s < 2 ? xv.z : xv.w;  // k 8j + s + 4 in word 2 + s / 2
+    return __byte_perm(lo, hi, s % 2 == 0 ? 0x5410 : 0x7632);
+  }
+};
+
+// NF4 (bitsandbytes): pair s of a word = byte s, k (8j + 2s, 8j + 2s + 1) in its high and low
+// nibble; each value the codebook's entry times the block's absmax in fp32, rounded once to T
+// (bitsandbytes' dequantize_4bit). x's matching pair is x's word s as loaded.
+template <typename T>
+struct Nf4Format {
+  const float* absmax;  // [n, blocks]
+  const float* code;    // [16], copied to shared memory per CTA
+  int block_size;
+
+  struct Piece {
+    float scale;
+    const float* codebook;  // shared memory
+    __device__ __forceinline__ uint32_t pair(uint32_t word, int s) const {
+      const uint32_t byte = word >> (8 * s);
+      return pack2(codebook[(byte >> 4) & 0xFu] * scale, codebook[byte & 0xFu] * scale, T{});
+    }
+  };
+  const float* shared_code;
+  __device__ __forceinline__ Piece piece(int row, int blocks, int p) const {
+    return {__ldg(absmax + static_cast<int64_t>(row) * blocks + p * 32 / block_size), shared_code};
+  }
+  __device__ __forceinline__ int groups(int k) const { return k / block_size; }
+  static __device__ __forceinline__ uint32_t x_pair(const uint4& xv, int s) {
+    return s == 0 ? xv.x : s == 1 ? xv.y : s == 2 ? xv.z : xv.w;
+  }
+};
+
+// out [m, n] = x [m, k] @ W^T. packed: [n, k / 32] 16-byte pieces of 32 4-bit values; F: the
+// format's constants (Int4Format, Nf4Format).
+template <typename T, typename F>
+__global__ void __launch_bounds__(kSplit * 32)
+    gemv_4bit_mma_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
+                         const uint4* __restrict__ packed, F format, int m, int n, int k) {
+  begin_dependent_kernel();
+  __shared__ float partial[kSplit - 1][4][32];
+  __shared__ float code[16];
+  if constexpr (std::is_same_v<F, Nf4Format<T>>) {
+    if (threadIdx.x < 16) code[threadIdx.x] = format.code[threadIdx.x];
+    __syncthreads();
+    format.shared_code = code;
+  }
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int tile = blockIdx.x;
+  const int pieces = k / 32;
+  const int groups = format.groups(k);
+  const int row_lo = min(tile * 16 + g, n - 1);  // rows past n are read (clamped), not stored
+  const int row_hi = min(tile * 16 + g + 8, n - 1);
+  const uint4* w_lo = packed + static_cast<int64_t>(row_lo) * pieces;
+  const uint4* w_hi = packed + static_cast<int64_t>(row_hi) * pieces;
+  // Lanes of x rows past m read row 0 and zero it: a select, not a branch.
+  const uint32_t x_mask = g < m ? ~0u : 0u;
+  const T* x_row = x + static_cast<int64_t>(g < m ? g : 0) * x_stride;
+
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  const int steps = (k + kStepK - 1) / kStepK;
+  // Piece p of both rows times x. Every lane of the warp takes part in each mma; a lane whose
+  // piece lies past k (k % 128 != 0) multiplies zeros of x (a zero word need not dequantize to 0).
+  const auto multiply = [&](const uint4& lo, const uint4& hi, int p) {
+    const bool inside = p < pieces;
+    const uint32_t mask = inside ? x_mask : 0u;
+    p = inside ? p : 0;
+    const typename F::Piece piece_lo = format.piece(row_lo, groups, p);
+    const typename F::Piece piece_hi = format.piece(row_hi, groups, p);
+    const uint32_t lo_words[4] = {lo.x, lo.y, lo.z, lo.w};
+    const uint32_t hi_words[4] = {hi.x, hi.y, hi.z, hi.w};
+    const uint4* xv_ptr = reinterpret_cast<const uint4*>(x_row + static_cast<int64_t>(p) * 32);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint4 xv = xv_ptr[j];
+      xv = make_uint4(xv.x & mask, xv.y & mask, xv.z & mask, xv.w & mask);
+#pragma unroll
+      for (int s = 0; s < 4; s += 2) {
+        const uint32_t a[4] = {piece_lo.pair(lo_words[j], s), piece_hi.pair(hi_words[j], s),
+                               piece_lo.pair(lo_words[j], s + 1), piece_hi.pair(hi_words[j], s + 1)};
+        mma16816(c, a, F::x_pair(xv, s), F::x_pair(xv, s + 1), T{});
+      }
+    }
+  };
+  const auto load = [&](const uint4* row, int p) {
+    return p < pieces ? load16_stream(row + p) : make_uint4(0, 0, 0, 0);
+  };
+
+  // Warp w takes steps w, w + kSplit, ... in chunks of kUnroll, every load of a chunk in flight
+  // before its first mma; a chunk's steps past the end load nothing and multiply zeros, so the
+  // last chunk costs one memory round trip too.
+  for (int base = warp; base < steps; base += kUnroll * kSplit) {
+    uint4 lo[kUnroll], hi[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int p = 4 * (base + u * kSplit) + t;
+      lo[u] = load(w_lo, p);
+      hi[u] = load(w_hi, p);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) multiply(lo[u], hi[u], 4 * (base + u * kSplit) + t);
+  }
+
+  if (warp > 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp - 1][i][lane] = c[i];
+  }
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int w = 0; w < kSplit - 1; ++w)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] += partial[w][i][lane];
+  // c[2h + e] = out^T[16 tile + g + 8h][2t + e]: that output column, x row 2t + e.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int col = tile * 16 + g + 8 * h;
+    if (col >= n) continue;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int i = 2 * t + e;
+      if (i < m) out[static_cast<int64_t>(i) * n + col] = from_float<T>(c[2 * h + e]);
+    }
+  }
+}
+
+template <template <typename> class F, typename Make>
+cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packed, int m, int n,
+                   int k, DType dtype, cudaStream_t stream, Make make_format) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  return dispatch_dtype(dtype, [&](auto tag) -> cudaError_t {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) != 2) {
+      return cudaErrorInvalidValue;
+    } else {
+      launch_dependent(gemv_4bit_mma_kernel<T, F<T>>, (n + 15) / 16, kSplit * 32, 0, stream,
+                       static_cast<T*>(out), static_cast<const T*>(x), x_stride,
+                       static_cast<const uint4*>(packed), make_format(tag), m, n, k);
+      return cudaGetLastError();
+    }
+  });
+}
+
+}  // namespace
+
+bool gemv_4bit_mma_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("PAGEDKV_4BIT_MMA");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return enabled;
+}
+
+cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int32_t* packed,
+                           const void* scales, const uint8_t* zeros, int m, int n, int k,
+                           int group_size, DType dtype, cudaStream_t stream) {
+  if (m > 8 || group_size <= 0 || group_size % 32 != 0 || k % group_size != 0) return cudaErrorInvalidValue;
+  return launch<Int4Format>(out, x, x_stride, packed, m, n, k, dtype, stream, [&](auto tag) {
+    using T = decltype(tag);
+    return Int4Format<T>{static_cast<const T*>(scales), zeros, group_size};
+  });
+}
+
+cudaError_t gemv_nf4_mma(void* out, const void* x, int64_t x_stride, const uint8_t* packed,
+                         const float* absmax, const float* code, int m, int n, int k,
+                         int block_size, DType dtype, cudaStream_t stream) {
+  if (m > 8 || block_size <= 0 || block_size % 32 != 0 || k % block_size != 0) return cudaErrorInvalidValue;
+  return launch<Nf4Format>(out, x, x_stride, packed, m, n, k, dtype, stream, [&](auto tag) {
+    using T = decltype(tag);
+    return Nf4Format<T>{absmax, code, block_size, nullptr};
+  });
+}
+
+}  // namespace pagedkv::kernels
