@@ -125,7 +125,7 @@ def assert_matches_reference(out: torch.Tensor, x: torch.Tensor, layer: Fp8Weigh
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block", [(128, 128), (1, 16), None], ids=str)
+@pytest.mark.parametrize("block", [(128, 128), (1, 16), (32, 64), None], ids=str)
 @pytest.mark.parametrize("in_features,out_features", OP_SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_linear_fp8_weight(device, dtype, block, in_features, out_features, rows):

@@ -249,9 +249,9 @@ cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packe
 
 }  // namespace
 
-bool gemv_4bit_mma_enabled() {
+bool quant_mma_enabled() {
   static const bool enabled = [] {
-    const char* value = std::getenv("PAGEDKV_4BIT_MMA");
+    const char* value = std::getenv("PAGEDKV_QUANT_MMA");
     return value == nullptr || std::strcmp(value, "0") != 0;
   }();
   return enabled;

@@ -23,7 +23,8 @@ cudaError_t gemv_nf4_mma(void* out, const void* x, int64_t x_stride, const uint8
                          const float* absmax, const float* code, int m, int n, int k,
                          int block_size, DType dtype, cudaStream_t stream);
 
-// PAGEDKV_4BIT_MMA=0 sends every row count to the CUDA-core kernels (an A/B switch).
-bool gemv_4bit_mma_enabled();
+// PAGEDKV_QUANT_MMA=0 sends every row count of int4, NF4 and FP8 weights to the CUDA-core
+// kernels (an A/B switch, read once per process).
+bool quant_mma_enabled();
 
 }  // namespace pagedkv::kernels

@@ -1,4 +1,5 @@
-// FP8-weight skinny GEMM for decode steps: the weight-streaming skeleton of gemv_dequant.cuh
+// FP8-weight skinny GEMM for decode steps. What gemv_fp8_mma_takes() goes to the tensor-core kernel
+// (gemv_fp8_mma.cu); the rest to this one: the weight-streaming skeleton of gemv_dequant.cuh
 // with this format's 16-byte piece: 16 e4m3 values under one block scale (block_k % 16 == 0),
 // converted in registers to half pairs (exact: e4m3 is a subset of fp16; one cvt per pair on
 // Hopper) then fp32. The block's fp32 scale multiplies each row's 16-term fp32 partial sum once.
@@ -56,6 +57,9 @@ struct Fp8 {
 
 cudaError_t gemv_fp8(void* out, const void* x, int64_t x_stride, const uint8_t* weight, const float* scales,
                      int m, int n, int k, int block_n, int block_k, DType dtype, cudaStream_t stream) {
+  if (n > 0 && gemv_fp8_mma_takes(m, k, block_n, block_k)) {
+    return gemv_fp8_mma(out, x, x_stride, weight, scales, m, n, k, block_n, block_k, dtype, stream);
+  }
   const bool sizes_ok = k % Fp8::kPieceCols == 0 && block_k % Fp8::kPieceCols == 0 && block_n > 0;
   return gemv_dequant::launch(out, x, x_stride, weight, Fp8{scales, block_n, block_k}, m, n, k, sizes_ok, dtype,
                               stream);

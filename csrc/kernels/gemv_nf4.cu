@@ -1,5 +1,5 @@
 // NF4-weight skinny GEMM for decode steps. 1..8 rows go to the tensor-core kernel
-// (gemv_4bit_mma.cu, unless PAGEDKV_4BIT_MMA=0); this is the weight-streaming skeleton of gemv_dequant.cuh with
+// (gemv_4bit_mma.cu, unless PAGEDKV_QUANT_MMA=0); this is the weight-streaming skeleton of gemv_dequant.cuh with
 // this format's 16-byte piece: 32 4-bit codes of one absmax block (block_size % 32 == 0), each
 // looked up in the 16-entry fp32 codebook (in shared memory: one load per CTA). The block's absmax
 // multiplies each row's 32-term fp32 partial sum once.
@@ -48,7 +48,7 @@ struct Nf4 {
 
 cudaError_t gemv_nf4(void* out, const void* x, int64_t x_stride, const uint8_t* packed, const float* absmax,
                      const float* code, int m, int n, int k, int block_size, DType dtype, cudaStream_t stream) {
-  if (m > 0 && m <= 8 && n > 0 && gemv_4bit_mma_enabled()) {  // the tensor-core kernel
+  if (m > 0 && m <= 8 && n > 0 && quant_mma_enabled()) {  // the tensor-core kernel
     return gemv_nf4_mma(out, x, x_stride, packed, absmax, code, m, n, k, block_size, dtype, stream);
   }
   const bool sizes_ok = block_size > 0 && block_size % Nf4::kPieceCols == 0 && k % block_size == 0;

@@ -53,7 +53,7 @@ cudaError_t gemv_w4a16(void* out, const void* x, int64_t x_stride, const int32_t
                        DType dtype, DType scale_dtype, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   // Scales in x's dtype (what checkpoints of 16-bit models store): the tensor-core kernel.
-  if (scale_dtype == dtype && m <= 8 && gemv_4bit_mma_enabled()) {
+  if (scale_dtype == dtype && m <= 8 && quant_mma_enabled()) {
     return gemv_w4a16_mma(out, x, x_stride, packed, scales, zeros, m, n, k, group_size, dtype, stream);
   }
   return dispatch_dtype(scale_dtype, [&](auto scale_tag) -> cudaError_t {
