@@ -56,13 +56,4 @@ inline void check_norm_args(const at::Tensor& out, const char* out_name, const a
   TORCH_CHECK(epsilon >= 0.0, "pagedkv: epsilon must be >= 0, got ", epsilon);
 }
 
-// A second norm weight (norm_add_rms_norm's input_weight): like check_norm_args' weight.
-inline void check_norm_weight(const at::Tensor& weight, const char* name, const at::Tensor& input) {
-  check_same_dtype(weight, input, name, "input");
-  check_same_device(weight, input, name, "input");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == input.size(-1), "pagedkv: ", name,
-              " must have shape [hidden] = [", input.size(-1), "], got ", weight.sizes());
-  check_contiguous(weight, name);
-}
-
 }  // namespace pagedkv

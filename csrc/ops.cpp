@@ -10,10 +10,6 @@ TORCH_LIBRARY(pagedkv, m) {
   // residual = input + residual; input = weight * rms_normalize(residual). Both in place.
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon, "
         "bool gemma_style=False) -> ()");
-  // residual += rms_norm(input, input_weight); input = rms_norm(residual, weight). In place (the
-  // post-norm, residual add and next pre-norm of Gemma-2/3 layers in one launch).
-  m.def("norm_add_rms_norm(Tensor! input, Tensor! residual, Tensor input_weight, Tensor weight, "
-        "float epsilon, bool gemma_style=False) -> ()");
   // Tensor parallelism: residual += sum over ranks of input (each rank's partial sums, read from
   // every rank's peer buffer at the addresses peer_buffers[r]); input = weight * rms_normalize(
   // residual). One launch instead of an all-reduce and a norm (kernels/peer_all_reduce.h).

@@ -179,7 +179,6 @@ def test_an_error_frees_every_block():
     (dict(prompt_lookup_num_tokens=0), ValueError, "prompt_lookup_num_tokens=0"),
     (dict(prompt_lookup_num_tokens=-2), ValueError, "prompt_lookup_num_tokens=-2"),
     (dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=0), ValueError, "max_matching_ngram_size=0"),
-    (dict(prompt_lookup_num_tokens=3, do_sample=True), UnsupportedGenerationArgument, "do_sample=True"),
     (dict(prompt_lookup_num_tokens=3, repetition_penalty=1.2), UnsupportedGenerationArgument,
      "repetition_penalty"),
     (dict(prompt_lookup_num_tokens=3, num_beams=2), UnsupportedGenerationArgument, "num_beams"),

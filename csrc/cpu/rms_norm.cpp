@@ -82,26 +82,9 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
   });
 }
 
-void norm_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& input_weight,
-                           const at::Tensor& weight, double epsilon, bool gemma_style) {
-  check_norm_args(residual, "residual", input, "input", weight, epsilon);
-  check_norm_weight(input_weight, "input_weight", input);
-  const int64_t hidden = input.size(-1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "norm_add_rms_norm_cpu", [&] {
-    scalar_t* x = input.data_ptr<scalar_t>();
-    scalar_t* res = residual.data_ptr<scalar_t>();
-    const int64_t rows = input.numel() / hidden;
-    const auto eps = static_cast<float>(epsilon);
-    rms_norm_rows(x, x, input_weight.const_data_ptr<scalar_t>(), rows, hidden, eps, gemma_style);
-    add_rows(x, res, input.numel());
-    rms_norm_rows(x, res, weight.const_data_ptr<scalar_t>(), rows, hidden, eps, gemma_style);
-  });
-}
-
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_cpu);
-  m.impl("norm_add_rms_norm", &norm_add_rms_norm_cpu);
 }
 
 }  // namespace pagedkv

@@ -1,4 +1,4 @@
-// CUDA launchers of rms_norm / fused_add_rms_norm / norm_add_rms_norm: check, guard the device, launch on the
+// CUDA launchers of rms_norm / fused_add_rms_norm: check, guard the device, launch on the
 // current stream. The kernels live in csrc/kernels/rms_norm.cu.
 #include <torch/library.h>
 
@@ -32,23 +32,9 @@ void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::
       c10::cuda::getCurrentCUDAStream()));
 }
 
-void norm_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& input_weight,
-                            const at::Tensor& weight, double epsilon, bool gemma_style) {
-  check_norm_args(residual, "residual", input, "input", weight, epsilon);
-  check_norm_weight(input_weight, "input_weight", input);
-  check_cuda(input, "input");
-  const c10::cuda::CUDAGuard guard(input.device());
-  const int64_t hidden = input.size(-1);
-  C10_CUDA_CHECK(kernels::norm_add_rms_norm(
-      input.data_ptr(), residual.data_ptr(), input_weight.const_data_ptr(), weight.const_data_ptr(),
-      input.numel() / hidden, static_cast<int>(hidden), static_cast<float>(epsilon), gemma_style,
-      kernel_dtype(input), c10::cuda::getCurrentCUDAStream()));
-}
-
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("rms_norm", &rms_norm_cuda);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_cuda);
-  m.impl("norm_add_rms_norm", &norm_add_rms_norm_cuda);
 }
 
 }  // namespace pagedkv

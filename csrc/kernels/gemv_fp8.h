@@ -20,7 +20,7 @@ cudaError_t gemv_fp8(void* out, const void* x, int64_t x_stride, const uint8_t* 
                      int m, int n, int k, int block_n, int block_k, DType dtype, cudaStream_t stream);
 
 // The same product on tensor cores (kernels/gemv_fp8_mma.cu), for what gemv_fp8_mma_takes():
-// 1..8 rows, each 64-k step inside one k-block (block_k % 64 == 0, or block_k >= k), and
+// 3..8 rows, each 64-k step inside one k-block (block_k % 64 == 0, or block_k >= k), and
 // PAGEDKV_QUANT_MMA not 0. gemv_fp8 sends those there itself.
 bool gemv_fp8_mma_takes(int m, int k, int block_n, int block_k);
 cudaError_t gemv_fp8_mma(void* out, const void* x, int64_t x_stride, const uint8_t* weight,

@@ -14,51 +14,21 @@
 namespace pagedkv::kernels {
 namespace {
 
-// The row's sum of squares over this thread's vectors, block-reduced: 1 / RMS.
-template <typename T, int kVec>
-__device__ __forceinline__ float inverse_rms(const Vec<T, kVec>* row, int num_vecs, int hidden,
-                                             float epsilon) {
-  float sum_sq = 0.f;
-  for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
-    const Vec<T, kVec> x = row[i];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) sum_sq += to_float(x.v[j]) * to_float(x.v[j]);
-  }
-  return rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + epsilon);
-}
-
 // out [rows, hidden], residual [rows, hidden] (only if kAddResidual), input [rows, hidden],
-// weight [hidden]; input_weight [hidden] only if kNormInput (Gemma-2/3's post-norms: the input is
-// normalised with it, rounded to T, before the residual add). For the fused ops out == input: no
-// __restrict__ on those two.
-template <typename T, int kVec, bool kAddResidual, bool kGemma, bool kNormInput = false>
+// weight [hidden]. For the fused op out == input: no __restrict__ on those two.
+template <typename T, int kVec, bool kAddResidual, bool kGemma>
 __global__ void rms_norm_kernel(T* out, T* residual, const T* input,
-                                const T* __restrict__ weight, int hidden, float epsilon,
-                                const T* __restrict__ input_weight = nullptr) {
+                                const T* __restrict__ weight, int hidden, float epsilon) {
   begin_dependent_kernel();
   using V = Vec<T, kVec>;
   const int num_vecs = hidden / kVec;
   const int64_t row_offset = static_cast<int64_t>(blockIdx.x) * hidden;
   const V* in_row = reinterpret_cast<const V*>(input + row_offset);
   V* res_row = reinterpret_cast<V*>(residual + (kAddResidual ? row_offset : 0));
-  float inv_rms_in = 0.f;
-  if constexpr (kNormInput) inv_rms_in = inverse_rms<T, kVec>(in_row, num_vecs, hidden, epsilon);
 
   float sum_sq = 0.f;
   for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
     V x = in_row[i];
-    if constexpr (kNormInput) {  // the same rounding as write_normalized_row's
-      const V g = reinterpret_cast<const V*>(input_weight)[i];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        if constexpr (kGemma) {
-          x.v[j] = from_float<T>(to_float(x.v[j]) * inv_rms_in * (1.f + to_float(g.v[j])));
-        } else {
-          const T normed = from_float<T>(to_float(x.v[j]) * inv_rms_in);
-          x.v[j] = from_float<T>(to_float(g.v[j]) * to_float(normed));
-        }
-      }
-    }
     if constexpr (kAddResidual) {
       const V r = res_row[i];
 #pragma unroll
@@ -79,17 +49,15 @@ __global__ void rms_norm_kernel(T* out, T* residual, const T* input,
                                 reinterpret_cast<const V*>(weight), num_vecs, inv_rms);
 }
 
-template <bool kAddResidual, bool kGemma, bool kNormInput = false>
+template <bool kAddResidual, bool kGemma>
 cudaError_t launch(void* out, void* residual, const void* input, const void* weight, int64_t rows,
-                   int hidden, float epsilon, DType dtype, cudaStream_t stream,
-                   const void* input_weight = nullptr) {
+                   int hidden, float epsilon, DType dtype, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kVec = 16 / sizeof(T);
     const bool vectorized = hidden % kVec == 0 && aligned16(out) && aligned16(input) &&
-                            aligned16(weight) && (!kAddResidual || aligned16(residual)) &&
-                            (!kNormInput || aligned16(input_weight));
+                            aligned16(weight) && (!kAddResidual || aligned16(residual));
     const int per_thread = vectorized ? kVec : 1;
     const int threads = std::min(1024, std::max(32, (hidden / per_thread + 31) / 32 * 32));
     const dim3 grid(static_cast<unsigned>(rows));
@@ -97,13 +65,10 @@ cudaError_t launch(void* out, void* residual, const void* input, const void* wei
     auto* r = static_cast<T*>(residual);
     auto* x = static_cast<const T*>(input);
     auto* w = static_cast<const T*>(weight);
-    auto* w_in = static_cast<const T*>(input_weight);
     if (vectorized) {
-      launch_dependent(rms_norm_kernel<T, kVec, kAddResidual, kGemma, kNormInput>, grid, threads, 0,
-                       stream, o, r, x, w, hidden, epsilon, w_in);
+      launch_dependent(rms_norm_kernel<T, kVec, kAddResidual, kGemma>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
     } else {
-      launch_dependent(rms_norm_kernel<T, 1, kAddResidual, kGemma, kNormInput>, grid, threads, 0,
-                       stream, o, r, x, w, hidden, epsilon, w_in);
+      launch_dependent(rms_norm_kernel<T, 1, kAddResidual, kGemma>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
     }
     return cudaGetLastError();
   });
@@ -126,17 +91,6 @@ cudaError_t fused_add_rms_norm(void* input, void* residual, const void* weight, 
     return launch<true, true>(input, residual, input, weight, rows, hidden, epsilon, dtype, stream);
   }
   return launch<true, false>(input, residual, input, weight, rows, hidden, epsilon, dtype, stream);
-}
-
-cudaError_t norm_add_rms_norm(void* input, void* residual, const void* input_weight,
-                              const void* weight, int64_t rows, int hidden, float epsilon,
-                              bool gemma_style, DType dtype, cudaStream_t stream) {
-  if (gemma_style) {
-    return launch<true, true, true>(input, residual, input, weight, rows, hidden, epsilon, dtype,
-                                    stream, input_weight);
-  }
-  return launch<true, false, true>(input, residual, input, weight, rows, hidden, epsilon, dtype,
-                                   stream, input_weight);
 }
 
 }  // namespace pagedkv::kernels

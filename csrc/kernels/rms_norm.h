@@ -19,11 +19,4 @@ cudaError_t fused_add_rms_norm(void* input, void* residual, const void* weight, 
                                int hidden, float epsilon, bool gemma_style, DType dtype,
                                cudaStream_t stream);
 
-// input, residual: [rows, hidden], both updated in place; input_weight, weight: [hidden].
-// residual += rms_norm(input, input_weight); input = rms_norm(residual, weight): a Gemma-2/3 layer's
-// post-norm, residual add and next pre-norm in one launch, each rounded as the unfused ops round.
-cudaError_t norm_add_rms_norm(void* input, void* residual, const void* input_weight,
-                              const void* weight, int64_t rows, int hidden, float epsilon,
-                              bool gemma_style, DType dtype, cudaStream_t stream);
-
 }  // namespace pagedkv::kernels

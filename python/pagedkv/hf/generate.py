@@ -8,6 +8,7 @@ This module checks the inputs and resolves HF's arguments; runtime/fixed_batch.p
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Literal, overload
 
 import torch
@@ -16,10 +17,11 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, Generat
 
 from pagedkv.cache import KVCache
 from pagedkv.cache.kv_dtype import kv_cache_options
-from pagedkv.hf import beam_search
+from pagedkv.hf import arguments, beam_search
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument, resolve_generation
 from pagedkv.hf.processing import CallArguments, processed_decode
 from pagedkv.models.registry import check_supported
+from pagedkv.runtime.draft_model import SCHEDULES, DraftRefused, check_draft, drafting
 from pagedkv.runtime.fixed_batch import FixedBatch, GenerationSettings
 from pagedkv.runtime.model import PREPARED_ATTR, device_of, prepared
 from pagedkv.runtime.prefix_reuse import weights_version
@@ -159,6 +161,8 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
     _check_inputs(model, input_ids)
     kv_args = kwargs.pop("kv_cache_dtype", "auto"), kwargs.pop("kv_cache_scales", None)
     call = CallArguments.pop_from(kwargs)  # logits_processor, stopping_criteria, ...
+    draft = kwargs.pop("assistant_model", None)
+    assisted = None if draft is None else _assistant_tokens(draft, kwargs)  # (k, schedule)
     settings = resolve_generation(model, input_ids.shape[1], generation_config, kwargs,
                                   batch_without_mask=attention_mask is None and input_ids.shape[0] > 1)
     inferred_from = None
@@ -176,6 +180,8 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
             "pagedkv.generate: prompt_lookup_num_tokens is not supported yet with HF's processed path "
             "(logits_processor, stopping_criteria, prefix_allowed_tokens_fn, output_scores or "
             "output_logits); drop them or prompt_lookup_num_tokens")
+    if draft is not None:
+        _check_assisted(model, draft, settings, decode is not None)
     state = prepared(model)
     kv_dtype, kv_scales = kv_cache_options(model, state, *kv_args, "pagedkv.generate", beams=beams,
                                            input_ids=input_ids, attention_mask=attention_mask)
@@ -187,10 +193,53 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
         if beams:  # HF's beam search, each beam a fork on the cache (hf/beam_search.py)
             return beam_search.beam_search(model, state.fixed_batch, prompts, input_ids, attention_mask,
                                            generation_config, kwargs, call, settings, streamer), settings, {}
-        new_tokens = state.fixed_batch.generate(prompts, _rows(input_ids, n), settings, streamer,
-                                                use_cuda_graphs, decode_loop=decode)  # [B, N]
+        proposals = contextlib.nullcontext() if draft is None else drafting(
+            draft, prompts, *assisted, settings.max_new_tokens, settings.eos_token_ids)
+        with proposals as proposer:  # a draft model's proposer: its own cache, freed however this ends
+            new_tokens = state.fixed_batch.generate(prompts, _rows(input_ids, n), settings, streamer,
+                                                    use_cuda_graphs, decode_loop=decode, proposer=proposer)  # [B, N]
     outputs = {} if decode is None else {"scores": decode.scores, "logits": decode.logits}
     return new_tokens, settings, outputs
+
+
+def _assistant_tokens(draft, kwargs: dict[str, Any]) -> tuple[int, str]:
+    """(num_assistant_tokens, num_assistant_tokens_schedule), popped from the call's kwargs: the
+    call's values, else the draft's generation_config's (where HF's AssistedCandidateGenerator
+    reads them), else HF's global defaults."""
+    config = getattr(draft, "generation_config", None)
+    defaults = GenerationConfig._get_default_generation_params() if hasattr(
+        GenerationConfig, "_get_default_generation_params") else GenerationConfig().to_dict()
+    found = {}
+    for name in ("num_assistant_tokens", "num_assistant_tokens_schedule"):
+        value = kwargs.pop(name, None)
+        found[name] = next((v for v in (value, getattr(config, name, None), defaults.get(name)) if v is not None),
+                           None)
+    k = arguments.integer("num_assistant_tokens", found["num_assistant_tokens"])
+    if k is None or k < 1:
+        raise ValueError(f"pagedkv.generate: num_assistant_tokens={k}; it must be >= 1")
+    schedule = found["num_assistant_tokens_schedule"] or "constant"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pagedkv.generate: num_assistant_tokens_schedule={schedule!r}; allowed: "
+                         f"{', '.join(map(repr, SCHEDULES))}")
+    return k, schedule
+
+
+def _check_assisted(model, draft, settings: GenerationSettings, processed: bool) -> None:
+    """Refuse, naming them, a draft or settings that assisted decoding does not run with yet."""
+    try:
+        check_draft(model, draft)
+    except DraftRefused as error:
+        raise UnsupportedGenerationArgument(f"pagedkv.generate: {error}") from None
+    refused = [name for name, on in (
+        ("do_sample=True", settings.do_sample), ("num_beams > 1", settings.num_beams > 1),
+        ("repetition_penalty", settings.repetition_penalty != 1.0),
+        ("prompt_lookup_num_tokens", settings.prompt_lookup_num_tokens > 0),
+        ("logits processors (processors, stopping_criteria, output_scores, ...)",
+         processed or settings.processors is not None)) if on]
+    if refused:
+        raise UnsupportedGenerationArgument(
+            f"pagedkv.generate: assistant_model runs greedy decoding without logits processors for now; "
+            f"not supported yet with {', '.join(refused)}")
 
 
 def _rows(tensor: torch.Tensor | None, n: int) -> torch.Tensor | None:

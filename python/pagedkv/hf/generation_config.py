@@ -209,7 +209,7 @@ def resolve_generation(
     processors = (fast_processors(config, in_use, config_eos_ids, model.config.vocab_size, do_sample, top_p)
                   if in_use else None)
     beams = _beams(config)
-    lookup = _prompt_lookup(values, do_sample, penalty, beams["num_beams"], in_use)
+    lookup = _prompt_lookup(values, penalty, beams, in_use)
     return GenerationSettings(
         max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_ids, pad_token_id=pad,
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -218,7 +218,7 @@ def resolve_generation(
     )
 
 
-def _prompt_lookup(values: dict[str, Any], do_sample: bool, penalty: float, num_beams: int,
+def _prompt_lookup(values: dict[str, Any], penalty: float, beams: dict[str, int],
                    in_use: list[str]) -> dict[str, int]:
     """prompt_lookup_num_tokens and max_matching_ngram_size (HF's default 2 when unset), checked;
     refuses, naming them, the settings prompt lookup does not run with yet."""
@@ -228,12 +228,14 @@ def _prompt_lookup(values: dict[str, Any], do_sample: bool, penalty: float, num_
             raise ValueError(f"pagedkv.generate: {name}={value}; it must be >= 1")
     if not k:
         return {}
-    refused = [name for name, on in (("do_sample=True", do_sample), ("num_beams > 1", num_beams > 1),
+    refused = [name for name, on in (("num_beams > 1", beams["num_beams"] > 1),
+                                     ("num_return_sequences > 1", beams["num_return_sequences"] > 1),
                                      ("repetition_penalty", penalty != 1.0)) if on] + in_use
     if refused:
         raise UnsupportedGenerationArgument(
-            f"pagedkv.generate: prompt_lookup_num_tokens runs greedy decoding without logits "
-            f"processors for now; not supported yet with {', '.join(refused)}")
+            f"pagedkv.generate: prompt_lookup_num_tokens runs greedy decoding or sampling (temperature, "
+            f"top_k, top_p) without other logits processors for now; not supported yet with "
+            f"{', '.join(refused)}")
     return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": n or 2}
 
 

@@ -35,10 +35,8 @@ from pagedkv.ops.cache import (  # noqa: F401
 from pagedkv.ops.matmul import _gate_up_silu_fake, _linear_fake, gate_up_silu, linear  # noqa: F401
 from pagedkv.ops.norm import (  # noqa: F401
     _fused_add_rms_norm_fake,
-    _norm_add_rms_norm_fake,
     _rms_norm_fake,
     fused_add_rms_norm,
-    norm_add_rms_norm,
     rms_norm,
 )
 from pagedkv.ops.peer import _peer_all_reduce_add_rms_norm_fake, peer_all_reduce_add_rms_norm  # noqa: F401

@@ -35,19 +35,6 @@ def fused_add_rms_norm(
     _ops.fused_add_rms_norm(input, residual, weight, epsilon, gemma_style)
 
 
-def norm_add_rms_norm(
-    input: torch.Tensor, residual: torch.Tensor, input_weight: torch.Tensor, weight: torch.Tensor,
-    epsilon: float, gemma_style: bool = False,
-) -> None:
-    """In place: ``residual += rms_norm(input, input_weight)``, then ``input = rms_norm(residual,
-    weight)``, each step rounded as rms_norm and fused_add_rms_norm round: Gemma-2/3's post-norm,
-    residual add and the next pre-norm in one launch on CUDA.
-
-    input, residual: [..., hidden] contiguous, same dtype/device; input_weight, weight: [hidden].
-    """
-    _ops.norm_add_rms_norm(input, residual, input_weight, weight, epsilon, gemma_style)
-
-
 @torch.library.register_fake("pagedkv::rms_norm")
 def _rms_norm_fake(out, input, weight, epsilon, gemma_style=False) -> None:
     return None
@@ -55,9 +42,4 @@ def _rms_norm_fake(out, input, weight, epsilon, gemma_style=False) -> None:
 
 @torch.library.register_fake("pagedkv::fused_add_rms_norm")
 def _fused_add_rms_norm_fake(input, residual, weight, epsilon, gemma_style=False) -> None:
-    return None
-
-
-@torch.library.register_fake("pagedkv::norm_add_rms_norm")
-def _norm_add_rms_norm_fake(input, residual, input_weight, weight, epsilon, gemma_style=False) -> None:
     return None

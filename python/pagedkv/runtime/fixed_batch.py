@@ -135,22 +135,22 @@ class FixedBatch:
 
     def generate(self, prompts: list[list[int]], input_ids: torch.Tensor,
                  settings: GenerationSettings, streamer=None,
-                 use_cuda_graphs: bool | None = None, decode_loop=None) -> torch.Tensor:
+                 use_cuda_graphs: bool | None = None, decode_loop=None, proposer=None) -> torch.Tensor:
         """Returns the new tokens [B * n, N] (pad after EOS), N <= settings.max_new_tokens, n =
         settings.num_return_sequences; input_ids [B * n, S]: each prompt's row n times, as HF expands.
         use_cuda_graphs: default on for CUDA models. decode_loop: the processed path (HF's
         processors, hf/processed_decode.py): decode_loop(prefill logits [B, V], step) -> [B, N],
-        step(tokens [B]) -> logits [B, V] (a LogitsStep); None: the captured sample-in-graph steps."""
-        model = self.model
+        step(tokens [B]) -> logits [B, V] (a LogitsStep); None: the captured sample-in-graph steps.
+        proposer: a prompt_lookup.Proposer (a draft model's): speculative rounds on its proposals."""
+        model, max_new = self.model, settings.max_new_tokens
         graphs = cuda_graphs_wanted(use_cuda_graphs, model, "pagedkv.generate")
-        max_new = settings.max_new_tokens
         longest = check_call(model, prompts, settings)
         base = rope_base(model, prompts, input_ids.shape[1], max_new)
         # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
         # step advances to (never run) inside the row's blocks, so no step indexes past them.
         # The n rows of a prompt (num_return_sequences) share its full blocks; each has the rest.
         n = settings.num_return_sequences
-        lookup = settings.prompt_lookup_num_tokens
+        lookup = proposer.max_tokens if proposer is not None else settings.prompt_lookup_num_tokens
         if lookup:
             check_lookup(model)
         num_blocks = sum(len(p) // BLOCK_SIZE + n * (math.ceil((len(p) + max_new) / BLOCK_SIZE)
@@ -164,7 +164,7 @@ class FixedBatch:
         try:
             if lookup:  # greedy, eager verification steps; its rows are freed by it
                 new_tokens, self.last_prompt_lookup = run_prompt_lookup(runner, seq_ids, prompts, settings,
-                                                                        streamer, input_ids)
+                                                                        streamer, input_ids, proposer)
                 return new_tokens
             new_tokens = self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs,
                                    decode_loop, base)  # [B * n, N]

@@ -1,6 +1,8 @@
-"""Greedy prompt-lookup speculative decoding for generate()'s fixed batch (HF's
+"""Prompt-lookup speculative decoding for generate()'s fixed batch (HF's
 ``prompt_lookup_num_tokens`` / ``max_matching_ngram_size``): several tokens per forward where a
-row repeats text it already holds, with the tokens of non-speculative greedy decoding.
+row repeats text it already holds, with the tokens of non-speculative greedy decoding, or with
+do_sample=True the distribution of non-speculative sampling (runtime/speculative_sampling.py:
+the acceptance rule for a point-mass draft, not the same draws).
 
 Each round, every unfinished row proposes up to k tokens (``propose``: the tokens that followed
 the first earlier occurrence of its last n..1 tokens, as HF's PromptLookupCandidateGenerator),
@@ -8,23 +10,29 @@ never more than its remaining max_new_tokens allow, and one step of the runner c
 token and the proposal together (k_i + 1 query tokens over the paged cache, prefill attention). The greedy
 token at each position is taken exactly as the sampler takes it in a decode step (min_new_tokens'
 EOS suppression counted per position); the longest prefix of the proposal equal to them is
-accepted and the row emits it plus the next greedy token. The rejected tokens' slots are given
-back (KVCache.truncate), so the cache holds exactly the row's fed tokens. EOS and max_new_tokens
-end a row inside a round as they end it in a decode step. Steps run eagerly, one host read-back
-per round.
+accepted and the row emits it plus the next greedy token (sampling: each proposed token is
+accepted with its target probability, the next token drawn from the residual or the last
+target). The rejected tokens' slots are given back (KVCache.truncate), so the cache holds
+exactly the row's fed tokens. EOS and max_new_tokens end a row inside a round as they end it
+in a decode step. Steps run eagerly, one host read-back per round.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.runner import ModelRunner, StepInput
 from pagedkv.runtime.sampler import Sampler
+from pagedkv.runtime.speculative_sampling import SpeculativeSampler
+
+# (logits [T, V] of the fed positions, each row's proposal, new tokens before each position [T])
+# -> (tokens of each row's proposal accepted, each row's next token): one host read-back
+Verifier = Callable[[torch.Tensor, list[list[int]], list[int]], tuple[list[int], list[int]]]
 
 
 class LookupSettings(Protocol):
@@ -42,6 +50,14 @@ class LookupSettings(Protocol):
     def eos_token_ids(self) -> tuple[int, ...]: ...
     @property
     def pad_token_id(self) -> int | None: ...
+    @property
+    def do_sample(self) -> bool: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -67,6 +83,32 @@ def propose(tokens: Sequence[int], k: int, max_ngram: int) -> list[int]:
     return []
 
 
+class Proposer(Protocol):
+    """Where a round's proposals come from: the n-gram lookup here, a draft model
+    (runtime/draft_model.py). Rows are indices into the batch, out[i] row i's new tokens so far."""
+
+    max_tokens: int  # the most tokens one proposal holds
+
+    def propose(self, rows: list[int], out: list[list[int]], caps: list[int]) -> list[list[int]]:
+        """Each row's proposal: at most caps[j] tokens (its remaining max_new_tokens - 1)."""
+    def accepted(self, rows: list[int], counts: list[int]) -> None:
+        """After the round's verification: how many leading tokens of each proposal were kept."""
+
+
+class NgramProposer:
+    """HF's prompt lookup: `propose` over each row's prompt and new tokens."""
+
+    def __init__(self, prompts: list[list[int]], k: int, max_ngram: int):
+        self.prompts, self.max_tokens, self.max_ngram = prompts, k, max_ngram
+
+    def propose(self, rows: list[int], out: list[list[int]], caps: list[int]) -> list[list[int]]:
+        return [propose(self.prompts[i] + out[i], min(self.max_tokens, cap), self.max_ngram)
+                for i, cap in zip(rows, caps)]
+
+    def accepted(self, rows: list[int], counts: list[int]) -> None:
+        pass
+
+
 def check_lookup(model: PreparedModel) -> None:
     """Refuse what prompt lookup does not run with yet."""
     if model.rope is not None or model.tp is not None:
@@ -76,13 +118,15 @@ def check_lookup(model: PreparedModel) -> None:
 
 
 def run_prompt_lookup(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]],
-                      settings: LookupSettings, streamer, input_ids: torch.Tensor
-                      ) -> tuple[torch.Tensor, LookupStats]:
-    """The new tokens [B, N] (pad after a row's EOS, N <= max_new_tokens) of greedy decoding,
-    and the call's LookupStats. input_ids [B, S]: the call's (for the streamer). The rows'
+                      settings: LookupSettings, streamer, input_ids: torch.Tensor,
+                      proposer: Proposer | None = None) -> tuple[torch.Tensor, LookupStats]:
+    """The new tokens [B, N] (pad after a row's EOS, N <= max_new_tokens) of greedy decoding or
+    sampling, and the call's LookupStats. input_ids [B, S]: the call's (for the streamer). The rows'
     sequences are added here and freed before returning (their full blocks stay in the prefix
     cache); on an error the caller frees them."""
-    k, max_ngram = settings.prompt_lookup_num_tokens, settings.max_matching_ngram_size
+    proposer = proposer or NgramProposer(prompts, settings.prompt_lookup_num_tokens,
+                                         settings.max_matching_ngram_size)
+    k = proposer.max_tokens
     max_new, min_new = settings.max_new_tokens, settings.min_new_tokens
     eos_ids, pad = settings.eos_token_ids, settings.pad_token_id
     cache, device = runner.cache, runner.device
@@ -92,16 +136,16 @@ def run_prompt_lookup(runner: ModelRunner, seq_ids: list[int], prompts: list[lis
     last = list(itertools.accumulate(query, initial=-1))[1:]
     tokens = list(itertools.chain.from_iterable(p[c:] for p, c in zip(prompts, cached)))
     logits = runner.run(StepInput(seq_ids, tokens, query, last))  # [B, V]
-    sampler = Sampler(batch * (k + 1), device, min_new_tokens=min_new, eos_token_ids=eos_ids)
-    sampler.fill(0.0, 0, 1.0)
-    generated = torch.zeros(batch, dtype=torch.int32, device=device)
-    out: list[list[int]] = [[t] for t in sampler(logits, generated).tolist()]
+    verifier: Verifier = (SpeculativeSampler(settings.temperature, settings.top_k, settings.top_p, min_new,
+                                             eos_ids, device) if settings.do_sample else
+                          _GreedyVerifier(batch * (k + 1), device, min_new, eos_ids))
+    out: list[list[int]] = [[t] for t in verifier(logits, [[] for _ in seq_ids], [0] * batch)[1]]
     done = [row[0] in eos_ids or max_new == 1 for row in out]
     stats = LookupStats()
     stream = _Stream(streamer, input_ids, out, done, pad)
     try:  # the streamer gets end() however the loop ends, so that its reader is released
         while not all(done):
-            _round(runner, seq_ids, prompts, out, done, sampler, stats, k=k, max_ngram=max_ngram,
+            _round(runner, seq_ids, prompts, out, done, verifier, stats, proposer=proposer,
                    max_new=max_new, eos_ids=eos_ids)
             stream.flush()
     finally:
@@ -114,35 +158,53 @@ def run_prompt_lookup(runner: ModelRunner, seq_ids: list[int], prompts: list[lis
 
 
 def _round(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]], out: list[list[int]],
-           done: list[bool], sampler: Sampler, stats: LookupStats, *, k: int, max_ngram: int,
+           done: list[bool], verifier: Verifier, stats: LookupStats, *, proposer: Proposer,
            max_new: int, eos_ids: tuple[int, ...]) -> None:
     """One verification step of every unfinished row; appends each row's new tokens to out."""
-    cache, device = runner.cache, runner.device
+    cache = runner.cache
     batch = len(seq_ids)
     rows = [i for i in range(batch) if not done[i]]
-    proposals = [propose(prompts[i] + out[i], min(k, max_new - len(out[i]) - 1), max_ngram)
-                 for i in rows]
+    sizes = [len(out[i]) for i in rows]
+    proposals = proposer.propose(rows, out, [max_new - n - 1 for n in sizes])
     feeds = [[out[i][-1]] + p for i, p in zip(rows, proposals)]
     for i, feed in zip(rows, feeds):
         cache.append_tokens(seq_ids[i], feed)
     logits = runner.run(StepInput([seq_ids[i] for i in rows], list(itertools.chain(*feeds)),
                                   [len(f) for f in feeds]))  # [T, V]
     counts = [len(out[i]) + j for i, f in zip(rows, feeds) for j in range(len(f))]  # [T]
-    greedy = sampler(logits, torch.tensor(counts, dtype=torch.int32, device=device)).tolist()
-    start = 0
-    for i, proposal in zip(rows, proposals):
-        best = greedy[start:start + len(proposal) + 1]
-        start += len(proposal) + 1
-        accepted = next((j for j, t in enumerate(proposal) if t != best[j]), len(proposal))
+    for i, proposal, accepted, following in zip(rows, proposals, *verifier(logits, proposals, counts)):
         cache.truncate(seq_ids[i], len(proposal) - accepted)
         stats.proposed += len(proposal)
         stats.accepted += accepted
-        for token in best[:accepted + 1]:
+        for token in proposal[:accepted] + [following]:
             out[i].append(token)
             if token in eos_ids or len(out[i]) == max_new:
                 done[i] = True
                 break
+    proposer.accepted(rows, [next((j for j, t in enumerate(p) if out[i][n + j:n + j + 1] != [t]), len(p))
+                             for i, p, n in zip(rows, proposals, sizes)])
     stats.rounds += 1
+
+
+class _GreedyVerifier:
+    """The greedy Verifier: the token the sampler takes at each position in a decode step; the
+    longest prefix of the proposal equal to them is accepted, the greedy token after it follows."""
+
+    def __init__(self, rows: int, device: torch.device, min_new_tokens: int, eos_ids: tuple[int, ...]):
+        self.sampler = Sampler(rows, device, min_new_tokens=min_new_tokens, eos_token_ids=eos_ids)
+        self.sampler.fill(0.0, 0, 1.0)
+        self.device = device
+
+    def __call__(self, logits: torch.Tensor, proposals: list[list[int]], counts: list[int]
+                 ) -> tuple[list[int], list[int]]:
+        greedy = self.sampler(logits, torch.tensor(counts, dtype=torch.int32, device=self.device)).tolist()
+        accepted, following, start = [], [], 0
+        for proposal in proposals:
+            best = greedy[start:start + len(proposal) + 1]
+            start += len(proposal) + 1
+            accepted.append(next((j for j, t in enumerate(proposal) if t != best[j]), len(proposal)))
+            following.append(best[accepted[-1]])
+        return accepted, following
 
 
 class _Stream:
