@@ -22,6 +22,7 @@
 #include "kernels/dependent_launch.cuh"
 #include "kernels/gemv_4bit_mma.h"  // quant_mma_enabled
 #include "kernels/gemv_fp8.h"
+#include "kernels/gemv_split_k.cuh"
 #include "kernels/mma.cuh"
 
 namespace pagedkv::kernels {
@@ -118,27 +119,7 @@ __global__ void __launch_bounds__(kSplit * 32)
     for (int u = 0; u < kUnroll; ++u) multiply(lo[u], hi[u], base + u * kSplit);
   }
 
-  if (warp > 0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) partial[warp - 1][i][lane] = acc[i];
-  }
-  __syncthreads();
-  if (warp != 0) return;
-#pragma unroll
-  for (int w = 0; w < kSplit - 1; ++w)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] += partial[w][i][lane];
-  // acc[2h + e] = out^T[16 tile + g + 8h][2t + e]: that output column, x row 2t + e.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int col = tile * 16 + g + 8 * h;
-    if (col >= n) continue;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int i = 2 * t + e;
-      if (i < m) out[static_cast<int64_t>(i) * n + col] = from_float<T>(acc[2 * h + e]);
-    }
-  }
+  store_split_k_tile<T, kSplit>(acc, partial, out, tile, m, n);
 }
 
 }  // namespace
