@@ -266,7 +266,7 @@ def test_refused_with_a_named_reason():
     with pytest.raises(UnsupportedGenerationArgument, match="gpt2"):
         pagedkv.generate(model, ids, max_new_tokens=4, assistant_model=gpt2, **GREEDY)
     draft = truncated(model)
-    for kwargs, match in [(dict(do_sample=True), "do_sample=True"),
+    for kwargs, match in [(dict(do_sample=True, num_return_sequences=2), "num_return_sequences > 1"),
                           (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
                           (dict(repetition_penalty=1.2), "repetition_penalty"),
                           (dict(num_assistant_tokens=0), "num_assistant_tokens=0"),

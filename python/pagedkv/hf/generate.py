@@ -230,15 +230,19 @@ def _check_assisted(model, draft, settings: GenerationSettings, processed: bool)
         check_draft(model, draft)
     except DraftRefused as error:
         raise UnsupportedGenerationArgument(f"pagedkv.generate: {error}") from None
+    # Sampling keeps the target's distribution: the greedy draft's proposal is a point mass, and
+    # prompt lookup's speculative sampling rule (runtime/speculative_sampling.py) is exact for it.
     refused = [name for name, on in (
-        ("do_sample=True", settings.do_sample), ("num_beams > 1", settings.num_beams > 1),
+        ("num_return_sequences > 1", settings.num_return_sequences > 1),
+        ("num_beams > 1", settings.num_beams > 1),
         ("repetition_penalty", settings.repetition_penalty != 1.0),
         ("prompt_lookup_num_tokens", settings.prompt_lookup_num_tokens > 0),
         ("logits processors (processors, stopping_criteria, output_scores, ...)",
          processed or settings.processors is not None)) if on]
     if refused:
         raise UnsupportedGenerationArgument(
-            f"pagedkv.generate: assistant_model runs greedy decoding without logits processors for now; "
+            f"pagedkv.generate: assistant_model runs greedy decoding or sampling (temperature, top_k, "
+            f"top_p) without other logits processors for now; "
             f"not supported yet with {', '.join(refused)}")
 
 
