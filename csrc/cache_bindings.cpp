@@ -271,16 +271,18 @@ void register_cache_bindings(py::module_& m) {
       .def_property_readonly("enable_prefix_caching", &CacheManager::prefix_caching)
       .def("build_step",
            [](CacheManager& self, const StepLayout& layout, const at::Tensor& buffer, py::handle seq_ids,
-              py::handle query_lens, py::handle padded_batch) {
+              py::handle query_lens, py::handle padded_batch, py::handle pad_query_len) {
              const int32_t padded = int_arg<int32_t>(padded_batch, "padded_batch", "[the batch size, max_batch]");
+             const int32_t pad_q = int_arg<int32_t>(pad_query_len, "pad_query_len", ">= 1");
              const std::vector<int32_t> lens =
                  query_lens.is_none() ? std::vector<int32_t>() : read_ints<int32_t>(query_lens, "query_lens");
              const std::vector<int64_t> ids = read_ints<int64_t>(seq_ids, "seq_ids");
-             const StepSizes s = build_step_metadata(self, layout, ids, lens, padded, step_buffer_data(buffer, layout));
+             const StepSizes s =
+                 build_step_metadata(self, layout, ids, lens, padded, step_buffer_data(buffer, layout), pad_q);
              return py::make_tuple(s.num_tokens, s.max_query_len, s.max_context_len);
            },
            py::arg("layout"), py::arg("buffer"), py::arg("seq_ids"), py::arg("query_lens"),
-           py::arg("padded_batch"));
+           py::arg("padded_batch"), py::arg("pad_query_len") = 1);
 }
 
 }  // namespace pagedkv

@@ -42,7 +42,7 @@ int64_t StepLayout::used_size(int32_t padded_batch) const {
 
 StepSizes build_step_metadata(CacheManager& manager, const StepLayout& layout,
                               std::span<const int64_t> seq_ids, std::span<const int32_t> query_lens,
-                              int32_t padded_batch, int32_t* buffer) {
+                              int32_t padded_batch, int32_t* buffer, int32_t pad_query_len) {
   if (seq_ids.size() > static_cast<size_t>(layout.max_batch)) {  // before it is cast to int32
     throw std::invalid_argument("pagedkv: a step of " + str(static_cast<int64_t>(seq_ids.size())) +
                                 " sequences has more than " + str(layout.max_batch) + " rows (max_batch)");
@@ -68,8 +68,19 @@ StepSizes build_step_metadata(CacheManager& manager, const StepLayout& layout,
   int32_t* block_tables = buffer + layout.block_tables;
   const int32_t block_shift = std::countr_zero(static_cast<uint32_t>(manager.block_size()));
   const int32_t offset_mask = manager.block_size() - 1;
-  // Every padding row takes one token: check the room for them before the real rows use it.
-  const int64_t token_budget = layout.max_tokens - (padded_batch - batch);
+  if (pad_query_len < 1) {
+    throw std::invalid_argument("pagedkv: pad_query_len = " + str(pad_query_len) +
+                                " must be >= 1 (each padding row's tokens)");
+  }
+  // Every padding row takes pad_query_len tokens: check the room for them before the real rows
+  // use it.
+  const int64_t token_budget =
+      layout.max_tokens - static_cast<int64_t>(padded_batch - batch) * pad_query_len;
+  if (token_budget < 0) {
+    throw std::invalid_argument("pagedkv: " + str(padded_batch - batch) + " padding rows of " +
+                                str(pad_query_len) + " tokens exceed max_tokens " +
+                                str(layout.max_tokens));
+  }
 
   const uint64_t mark = manager.new_batch_mark();
   int32_t t = 0;
@@ -100,11 +111,13 @@ StepSizes build_step_metadata(CacheManager& manager, const StepLayout& layout,
     sizes.max_query_len = std::max(sizes.max_query_len, q);
     sizes.max_context_len = std::max(sizes.max_context_len, len);
   }
-  for (int32_t i = batch; i < padded_batch; ++i, ++t) {
+  for (int32_t i = batch; i < padded_batch; ++i) {  // rows that attend to nothing, write nothing
     context_lens[i] = 0;
     query_start_loc[i] = t;
-    positions[t] = 0;
-    slot_mapping[t] = -1;
+    for (int32_t j = 0; j < pad_query_len; ++j, ++t) {
+      positions[t] = 0;
+      slot_mapping[t] = -1;
+    }
   }
   query_start_loc[padded_batch] = t;
   sizes.num_tokens = t;

@@ -41,9 +41,11 @@ struct StepSizes {
 };
 
 // Writes a step's metadata for seq_ids into buffer (layout.size int32s). query_lens: one per
-// sequence, or empty for a decode step (1 each). padded_batch >= seq_ids.size() rows are written.
+// sequence, or empty for a decode step (1 each). padded_batch >= seq_ids.size() rows are written,
+// each padding row with pad_query_len tokens (context 0, slot -1: a CUDA graph of rows of
+// pad_query_len tokens, such as a speculative verification step, keeps its shape).
 StepSizes build_step_metadata(CacheManager& manager, const StepLayout& layout,
                               std::span<const int64_t> seq_ids, std::span<const int32_t> query_lens,
-                              int32_t padded_batch, int32_t* buffer);
+                              int32_t padded_batch, int32_t* buffer, int32_t pad_query_len = 1);
 
 }  // namespace pagedkv

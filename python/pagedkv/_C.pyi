@@ -99,6 +99,6 @@ class CacheManager:
     @property
     def enable_prefix_caching(self) -> bool: ...
     def build_step(self, layout: StepLayout, buffer: torch.Tensor, seq_ids: Ints,
-                   query_lens: Ints | None, padded_batch: int) -> tuple[int, int, int]:
-        """Writes one step's metadata into buffer (CPU int32, layout.size elements); returns
-        (num_tokens, max_query_len, max_context_len)."""
+                   query_lens: Ints | None, padded_batch: int, pad_query_len: int = 1) -> tuple[int, int, int]:
+        """Writes one step's metadata into buffer (CPU int32, layout.size elements), padding rows
+        of pad_query_len tokens; returns (num_tokens, max_query_len, max_context_len)."""

@@ -271,10 +271,12 @@ class KVCache:
         seq_ids: Sequence[int],
         query_lens: Sequence[int] | None = None,
         padded_batch: int | None = None,
+        pad_query_len: int = 1,
     ) -> StepMetadata:
         """Metadata of one step over seq_ids, whose slots are already reserved. query_lens[i]:
         the new tokens of sequence i (its last ones); None for decode (1 each). padded_batch:
-        rows including padding (a CUDA-graph bucket), default len(seq_ids). Built in C++ into a
+        rows including padding (a CUDA-graph bucket), default len(seq_ids), each padding row of
+        pad_query_len tokens that attend to nothing and write nothing. Built in C++ into a
         pinned buffer and sent to the device in one non-blocking copy."""
         padded = len(seq_ids) if padded_batch is None else padded_batch
         if self._buffers is None:
@@ -282,6 +284,6 @@ class KVCache:
         buffers = self._buffers
         buffers.wait_until_reusable()
         num_tokens, max_query_len, max_context_len = self.manager.build_step(
-            buffers.layout, buffers.host, seq_ids, query_lens, padded)
+            buffers.layout, buffers.host, seq_ids, query_lens, padded, pad_query_len)
         buffers.upload(padded)
         return buffers.metadata(len(seq_ids), padded, num_tokens, max_query_len, max_context_len)

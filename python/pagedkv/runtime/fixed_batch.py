@@ -25,7 +25,7 @@ from pagedkv.runtime.logits_step import LogitsStep
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import call_digest
 from pagedkv.runtime.prefix_reuse import keep_rows
-from pagedkv.runtime.prompt_lookup import LookupStats, check_lookup, run_prompt_lookup
+from pagedkv.runtime.prompt_lookup import LookupStats, check_lookup, lookup_room, run_prompt_lookup
 from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, capture_step, cuda_graphs_wanted
 from pagedkv.runtime.sampler import Sampler
 
@@ -146,16 +146,16 @@ class FixedBatch:
         graphs = cuda_graphs_wanted(use_cuda_graphs, model, "pagedkv.generate")
         longest = check_call(model, prompts, settings)
         base = rope_base(model, prompts, input_ids.shape[1], max_new)
-        # A row feeds len + max_new - 1 tokens; one slot more keeps the position that the last
-        # step advances to (never run) inside the row's blocks, so no step indexes past them.
-        # The n rows of a prompt (num_return_sequences) share its full blocks; each has the rest.
+        # A row feeds len + max_new - 1 tokens; one slot more keeps the position the last step
+        # advances to (never run) inside its blocks. A prompt's n rows share its full blocks.
         n = settings.num_return_sequences
         lookup = proposer.max_tokens if proposer is not None else settings.prompt_lookup_num_tokens
         if lookup:
             check_lookup(model)
-        num_blocks = sum(len(p) // BLOCK_SIZE + n * (math.ceil((len(p) + max_new) / BLOCK_SIZE)
+        slack, verify_tokens = lookup_room(lookup, len(prompts))  # padded verification rows
+        num_blocks = sum(len(p) // BLOCK_SIZE + n * (math.ceil((len(p) + max_new + slack) / BLOCK_SIZE)
                                                      - len(p) // BLOCK_SIZE) for p in prompts)
-        step_tokens = max(sum(map(len, prompts)), len(prompts) * (lookup + 1))  # prefill, or a verification
+        step_tokens = max(sum(map(len, prompts)), verify_tokens)  # prefill, or a verification
         runner = self._runner_for(num_blocks, len(prompts) * n, step_tokens, longest)
         runner.insist_graphs = use_cuda_graphs is True  # a step that cannot be captured raises
         # Rows of a call interrupted in its own clean-up; their K/V may be unwritten.

@@ -26,7 +26,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from pagedkv.runtime.model import PreparedModel
-from pagedkv.runtime.runner import ModelRunner, StepInput
+from pagedkv.runtime.runner import ModelRunner, StepInput, bucket
 from pagedkv.runtime.sampler import Sampler
 from pagedkv.runtime.speculative_sampling import SpeculativeSampler
 
@@ -109,6 +109,27 @@ class NgramProposer:
         pass
 
 
+# Query widths a verification step is padded to when it runs as a CUDA graph (one graph per batch
+# bucket and width); wider feeds take their own width.
+VERIFY_WIDTHS = (1, 2, 3, 5, 9, 17, 33)
+
+
+def verification_width(longest_feed: int) -> int:
+    """The padded width of a verification step whose longest row feeds `longest_feed` tokens."""
+    return next((w for w in VERIFY_WIDTHS if w >= longest_feed), longest_feed)
+
+
+def lookup_room(k: int, batch: int) -> tuple[int, int]:
+    """(extra cache slots a row needs, tokens a step needs) for verification steps of up to k
+    proposed tokens a row, padded (run_rows_of): a row fed its last token and k proposals is
+    padded to verification_width(k + 1), which may run past its max_new_tokens by the padding;
+    the padding rows of the batch bucket take that width too."""
+    if not k:
+        return 0, 0
+    width = verification_width(k + 1)
+    return width - 1, bucket(batch) * width
+
+
 def check_lookup(model: PreparedModel) -> None:
     """Refuse what prompt lookup does not run with yet."""
     if model.rope is not None or model.tp is not None:
@@ -167,13 +188,22 @@ def _round(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]], ou
     sizes = [len(out[i]) for i in rows]
     proposals = proposer.propose(rows, out, [max_new - n - 1 for n in sizes])
     feeds = [[out[i][-1]] + p for i, p in zip(rows, proposals)]
-    for i, feed in zip(rows, feeds):
+    # As a CUDA graph, every row feeds one width: the padding repeats a row's last token, and its
+    # positions' logits are not looked at (their slots are given back below with the rejected).
+    width = verification_width(max(map(len, feeds))) if runner.verify_graphs else 0
+    fed = [f + f[-1:] * (width - len(f)) for f in feeds] if width else feeds
+    for i, feed in zip(rows, fed):
         cache.append_tokens(seq_ids[i], feed)
-    logits = runner.run(StepInput([seq_ids[i] for i in rows], list(itertools.chain(*feeds)),
-                                  [len(f) for f in feeds]))  # [T, V]
+    step = StepInput([seq_ids[i] for i in rows], list(itertools.chain(*fed)), [len(f) for f in fed])
+    if width:
+        every = runner.run_rows_of(step, width)  # [rows * width, V]
+        real = [r * width + j for r, f in enumerate(feeds) for j in range(len(f))]
+        logits = every.index_select(0, torch.tensor(real, device=every.device))  # [T, V]
+    else:
+        logits = runner.run(step)  # [T, V]
     counts = [len(out[i]) + j for i, f in zip(rows, feeds) for j in range(len(f))]  # [T]
-    for i, proposal, accepted, following in zip(rows, proposals, *verifier(logits, proposals, counts)):
-        cache.truncate(seq_ids[i], len(proposal) - accepted)
+    for i, feed, proposal, accepted, following in zip(rows, fed, proposals, *verifier(logits, proposals, counts)):
+        cache.truncate(seq_ids[i], len(feed) - 1 - accepted)
         stats.proposed += len(proposal)
         stats.accepted += accepted
         for token in proposal[:accepted] + [following]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Callable, Hashable
 
 import torch
@@ -55,6 +56,11 @@ def cuda_graphs_wanted(requested: bool | None, model: PreparedModel, caller: str
     if requested and not graphs_allowed(model):
         raise _not_capturable(model, caller)
     return (device.type == "cuda" if requested is None else bool(requested)) and graphs_allowed(model)
+
+
+def verify_graphs_wanted() -> bool:
+    """Speculative verification steps captured as CUDA graphs (opt-in for now)."""
+    return os.environ.get("PAGEDKV_VERIFY_GRAPHS", "0") == "1"
 
 
 def graphs_allowed(model: PreparedModel) -> bool:
@@ -181,6 +187,9 @@ class ModelRunner:
             self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
                                         tp=model.tp, rope=model.rope)
         self.use_cuda_graphs = use_cuda_graphs  # for run()'s decode steps
+        # run_rows_of()'s verification steps as graphs too: PAGEDKV_VERIFY_GRAPHS=1 until they have
+        # passed the CUDA tests (tests/test_prompt_lookup*.py) on a GPU.
+        self.verify_graphs = verify_graphs_wanted()
         self.insist_graphs = insist_graphs  # generate() sets it per call (fixed_batch.py)
         self.graphs = CudaGraphs() if model.device.type == "cuda" else None
         if self.graphs is not None and model.tp is not None:
@@ -209,6 +218,32 @@ class ModelRunner:
         if self.model.rope is not None:
             fmeta.rope_lens = self._rope_lens(step, meta.positions)
         return self.decoder.forward(ids, fmeta, logits_rows=index)
+
+    def run_rows_of(self, step: StepInput, width: int) -> torch.Tensor:
+        """Logits [B * width, V] of a step whose B rows compute `width` tokens each (a speculative
+        verification step whose proposals the caller padded to one width), row after row. With
+        verification graphs on (verify_graphs_wanted) the step is padded to a batch bucket, its
+        padding rows of `width` tokens too, and replayed as a CUDA graph per (bucket, width): the
+        prefill attention's plan depends on shapes only (paged_prefill_attention_plan.h). Else
+        eager, like run(). The result may view a graph's output: read it before the next step."""
+        num_rows = len(step.seq_ids)
+        if not (self.verify_graphs and self.use_cuda_graphs):
+            return self.run(dataclasses.replace(step, query_lens=[width] * num_rows))
+        padded = bucket(num_rows, self.max_batch)
+        meta = self.cache.build_metadata(step.seq_ids, [width] * num_rows, padded, pad_query_len=width)
+        fmeta = forward_metadata(meta)
+        ids = host_tensor(step.token_ids + [0] * (meta.num_tokens - len(step.token_ids)), self.device)
+        key = ("verify", padded, width)
+        captured = self.graphs.get(key)
+        if captured is None:
+            static_ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
+            # The warm-up writes this step's K/V with token 0; the replay below rewrites them.
+            captured = capture_step(self, key, lambda: self.decoder.forward(static_ids, fmeta), buffers=static_ids)
+            if captured is None:  # a fallback model that cannot be captured: eager from now on
+                self.use_cuda_graphs = False
+                return self.run(dataclasses.replace(step, query_lens=[width] * num_rows))
+        captured.buffers.copy_(ids, non_blocking=True)
+        return captured.replay()[:num_rows * width]
 
     def _rope_lens(self, step: StepInput, positions: torch.Tensor) -> torch.Tensor:
         """[T] each token's S (length-dependent rope): max(position + 1, its row's base)."""
