@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, rope_type
 from pagedkv.models.fallback import fallback_reason
+from pagedkv.models.hf_quantized import QuantizedLinears, find_quantized
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, gemma_reason
 from pagedkv.models.module_path import ATTENTION_LINEARS, MLP_LINEARS, PathEntry, outer_path, path_reason
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
@@ -29,6 +30,8 @@ NATIVE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + SCALED_MODEL_TYPES + GEMMA_MODEL_TY
 FUSED_QKV_GATE_UP = ("phi3",)  # self_attn.qkv_proj [q; k; v] and mlp.gate_up_proj [gate; up] as stored
 # Types whose MLP may be a mixture of experts (layers/moe.py): one device only (not sharded yet).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# Types whose linears may be quantized (q/k/v/o, gate/up/down: models/quantized_checkpoint.py), one device.
+QUANTIZED_MODEL_TYPES = tuple(t for t in SUPPORTED_MODEL_TYPES if t not in MOE_MODEL_TYPES + FUSED_QKV_GATE_UP)
 # Llama-like types whose decoder computes something else, by what differs (a new kernel or formula).
 OTHER_DECODERS = {
     "helium": "its rotary embedding rotates interleaved pairs of dimensions (pagedkv: halves)",
@@ -106,7 +109,10 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return (f"head_dim {head_dim} is not supported; supported: "
                 f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
-    reason = _module_reason(model)
+    quantized = find_quantized(model, QUANTIZED_MODEL_TYPES)  # loaded quantized (models/hf_quantized.py)
+    if isinstance(quantized, str):
+        return quantized
+    reason = _module_reason(model, quantized)
     if reason is not None:
         return reason
     # Sliding layers run with their window (models/windows.py says whose), CPU and CUDA alike.
@@ -114,7 +120,7 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     allowed = {"full_attention", "sliding_attention"} if any(layer_windows(config)) else {"full_attention"}
     if layer_types - allowed:
         return f"layer_types {sorted(layer_types)} are not supported; supported: {', '.join(sorted(allowed))}"
-    return _placement_reason(model, placement)
+    return _placement_reason(model, placement, set() if quantized is None else quantized.tensor_ids())
 
 
 def _fallback_path_reason(model, placement: bool) -> str | None:
@@ -132,14 +138,16 @@ def _fallback_path_reason(model, placement: bool) -> str | None:
     return _placement_reason(model, placement)
 
 
-def _placement_reason(model, placement: bool) -> str | None:
-    """Its parameters' dtype (one, floating) and, with placement, their one device."""
+def _placement_reason(model, placement: bool, quantized: set[int] = frozenset()) -> str | None:
+    """Its parameters' dtype (one, floating; `quantized`: ids of packed ones, read as such) and,
+    with placement, their one device."""
     params = list(model.parameters())
-    dtypes = {p.dtype for p in params}
+    dtypes = {p.dtype for p in params if id(p) not in quantized}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
         return (f"parameter dtypes {sorted(map(str, dtypes))} are not supported; supported: one of "
-                f"{', '.join(map(str, SUPPORTED_DTYPES))} for all parameters (a model loaded quantized is not; "
-                "quantized checkpoints (AWQ, GPTQ, compressed-tensors, FP8, bitsandbytes NF4) load with "
+                f"{', '.join(map(str, SUPPORTED_DTYPES))} for all parameters (a model loaded quantized runs with "
+                f"the linears of models/hf_quantized.py, types {', '.join(QUANTIZED_MODEL_TYPES)}; quantized "
+                "checkpoints (AWQ, GPTQ, compressed-tensors, FP8, bitsandbytes NF4) load with "
                 "pagedkv.from_pretrained_quantized)")
     if not placement:
         return None
@@ -163,8 +171,10 @@ _LAYER_LINEARS = {"self_attn": ATTENTION_LINEARS, "mlp": MLP_LINEARS}
 _FUSED_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
 
-def _module_reason(model) -> str | None:
-    """A module of another type on the decoder's path is refused (models/module_path.py)."""
+def _module_reason(model, quantized: QuantizedLinears | None = None) -> str | None:
+    """A module of another type on the decoder's path is refused (models/module_path.py), but
+    for the quantized linears pagedkv reads (models/hf_quantized.py)."""
+    readable = set() if quantized is None else {id(m) for m in quantized.modules.values()}
     linears_of = _FUSED_LINEARS if model.config.model_type in FUSED_QKV_GATE_UP else _LAYER_LINEARS
     path = outer_path(model)
     for i, layer in enumerate(model.model._modules["layers"]):
@@ -178,7 +188,8 @@ def _module_reason(model) -> str | None:
             if "experts" in linears:  # a mixture-of-experts MLP (layers/moe.py)
                 path += _moe_path(f"{at}.{parent}", linears)
                 continue
-            path += [(f"{at}.{parent}.{n}", linears.get(n), nn.Linear) for n in names]
+            path += [(f"{at}.{parent}.{n}", m, type(m) if id(m) in readable else nn.Linear)
+                     for n in names for m in [linears.get(n)]]
     return path_reason(path, model.config.model_type)
 
 

@@ -46,6 +46,7 @@ from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, RopeByLength, bui
 from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read_shard
 from pagedkv.models.fallback import FallbackWeights, fallback_weights, settings_state
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights, gemma_cos_sin
+from pagedkv.models.hf_quantized import QuantizedLinears, find_quantized, quantized_state, read_hf_quantized
 from pagedkv.models.llama import DecoderWeights, extract_weights
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, Olmo2Weights, extract_olmo2_weights, olmo2_cos_sin
 # PREPARED_ATTR: the attribute of the HF model that holds its PreparedModel (in the registry: its
@@ -147,6 +148,8 @@ class PreparedModel:
     quant: str | None = None
     # rope "dynamic" / "longrope" (cos_sin None): each step's cos/sin from its tokens' S (layers/rotary.py)
     rope: RopeByLength | None = None
+    # linears HF loaded quantized, read repacked (models/hf_quantized.py): their in-place writes count
+    hf_quantized: bool = False
 
     @classmethod
     def of(cls, model, tp: TensorParallel | None = None, reader: TensorReader | None = None) -> PreparedModel:
@@ -164,8 +167,12 @@ class PreparedModel:
         with torch.inference_mode(False), torch.no_grad():
             param = next(model.parameters())
             device = param.device if tp is None else tp.device
+            found = find_quantized(model, registry.QUANTIZED_MODEL_TYPES) if reader is None else None
             if reader is not None:
                 weights = read_shard(model, reader, tp.rank, tp.world_size, tp.device, param.dtype)
+            elif isinstance(found, QuantizedLinears):  # the packed tensors, repacked (tensor_parallel refuses)
+                weights = read_hf_quantized(model, found)
+                param = model.model.embed_tokens.weight  # the activations' dtype (not a packed tensor's)
             elif model.config.model_type in GEMMA_MODEL_TYPES:  # never sharded (tensor_parallel refuses)
                 weights = extract_gemma_weights(model)
             elif model.config.model_type in OLMO2_MODEL_TYPES:  # never sharded (tensor_parallel refuses)
@@ -192,8 +199,10 @@ class PreparedModel:
         logger.info("took the weights of %s: %s on %s, %.1f MB%s", type(model).__name__,
                     str(param.dtype).removeprefix("torch."), device, weight_bytes(weights) / 1e6,
                     "" if tp is None else f" (rank {tp.rank} of {tp.world_size}'s shard)")
+        packed = quantized_state(model, registry.QUANTIZED_MODEL_TYPES) if isinstance(found, QuantizedLinears) else ()
         return cls(weights, cos_sin, device, param.dtype, max_positions, tp,
-                   fingerprint=fingerprint(model, versions=tp is not None), rope=rope)
+                   fingerprint=fingerprint(model, versions=tp is not None) + packed, rope=rope,
+                   hf_quantized=bool(packed))
 
     def change_in(self, model) -> str | None:
         """None if `model` is as these weights were taken from it, else its first change.
@@ -201,6 +210,8 @@ class PreparedModel:
         now = fingerprint(model, versions=self.tp is not None)
         if isinstance(self.weights, FallbackWeights):  # HF's modules run: their settings count too
             now += settings_state(model)
+        if self.hf_quantized:  # repacked copies: writes in place count (models/hf_quantized.py)
+            now += quantized_state(model, registry.QUANTIZED_MODEL_TYPES)
         return None if now == self.fingerprint else describe_change(self.fingerprint, now)
 
     def __reduce__(self):
@@ -314,6 +325,9 @@ def tensor_parallel(model: M, group: dist.ProcessGroup | None = None,
         raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} is not sharded "
                                "yet (OLMo-2's q/k norms span all heads; Granite's multipliers are not in the "
                                "shards); run it on one device with pagedkv.generate or pagedkv.LLM")
+    if reader is None and isinstance(find_quantized(model, registry.QUANTIZED_MODEL_TYPES), QuantizedLinears):
+        raise UnsupportedModel("pagedkv.tensor_parallel: a model loaded quantized (models/hf_quantized.py) is not "
+                               "sharded; run it on one device with pagedkv.generate or pagedkv.LLM")
     if rope_type(model.config) in LENGTH_DEPENDENT_ROPE_TYPES:
         raise UnsupportedModel(f"pagedkv.tensor_parallel: rope type {rope_type(model.config)!r} (cos/sin per "
                                "sequence length) is not sharded yet; run it on one device")
