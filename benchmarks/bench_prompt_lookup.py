@@ -8,15 +8,22 @@ code held in the prompt; chat-formatted with the tokenizer's template), greedy, 
 - HF generate without it and HF generate with its own prompt lookup (HF refuses batches > 1:
   n/a there).
 
+--draft-layers L (default 4 of SmolLM2's 30; the draft mode): the speculative rows are a draft
+model's instead, generate(assistant_model=draft) in pagedkv and in HF, the draft the target cut to
+its first L decoder layers (benchmarks/truncated_draft.py: no download), proposing --draft-k
+tokens a round (num_assistant_tokens, schedule "constant"; HF's assistant_confidence_threshold set
+to 0 so HF's draft proposes as many as pagedkv's); results in bench_prompt_lookup_draft.md/.png.
+
     python benchmarks/bench_prompt_lookup.py [--out DIR] [--k 10] [--ngram 2] [--max-new 256]
                                              [--batch B] [--no-hf] [--small]
+                                             [--draft-layers [L]] [--draft-k 4]
 
 tokens/s = new tokens (through each row's EOS) over the summed wall time of all prompts, one call
 per prompt group (B prompts, left-padded), systems interleaved per group so drift hits all alike;
 one warm-up call per system first. Acceptance = accepted / proposed tokens over the run;
 tokens / round = new tokens after the first (the prefill's) over verification rounds (a round
 verifies every unfinished row of the batch). pagedkv's prompt-lookup tokens must equal its
-non-speculative tokens: a FAIL line says where not. HF's tokens beside pagedkv's are
+non-speculative tokens (the same for the draft's): a FAIL line says where not. HF's tokens beside pagedkv's are
 informational (bf16 may part at near-ties). Goals (issue 34, batch 1): prompt lookup >= 2.0x
 pagedkv without speculation, and faster than HF's prompt lookup. k defaults to 10, HF's default
 prompt_lookup_num_tokens; n to 2, HF's max_matching_ngram_size default. --small: the first 3
@@ -36,6 +43,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
+from truncated_draft import parameter_count, truncated_draft  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv.runtime.model import prepared  # noqa: E402
@@ -43,7 +51,9 @@ from pagedkv.tools.default_model import load_default_model  # noqa: E402
 
 PROMPTS = pathlib.Path(__file__).resolve().parent / "prompts" / "input_grounded.jsonl"
 PAGEDKV, PAGEDKV_PLD, HF, HF_PLD = ("pagedkv", "pagedkv prompt lookup", "HF generate", "HF prompt lookup")
+PAGEDKV_DRAFT, HF_DRAFT = "pagedkv assistant_model", "HF assistant_model"
 GOAL_SPEEDUP = 2.0
+DRAFT_LAYERS = 4  # of SmolLM2's 30: ~7x fewer layers a draft step (the embeddings and LM head are shared)
 
 
 def load_prompts(path: pathlib.Path, tokenizer, limit: int | None = None) -> list[list[int]]:
@@ -92,6 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", type=pathlib.Path, default=PROMPTS)
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--small", action="store_true", help="3 prompts, 16 new tokens (CPU smoke test)")
+    parser.add_argument("--draft-layers", type=int, nargs="?", const=DRAFT_LAYERS, default=None,
+                        help=f"draft mode: assistant_model = the target's first L layers (default {DRAFT_LAYERS})")
+    parser.add_argument("--draft-k", type=int, default=4, help="num_assistant_tokens (draft mode)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     device = args.device
@@ -103,16 +116,24 @@ def main(argv: list[str] | None = None) -> dict:
     eos = {gen.eos_token_id} if isinstance(gen.eos_token_id, int) else set(gen.eos_token_id or ())
     pad = gen.pad_token_id if gen.pad_token_id is not None else next(iter(eos))
     greedy = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=pad)
-    lookup = dict(prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.ngram)
-    batch = args.batch
+    batch, drafted = args.batch, args.draft_layers is not None
+    if drafted:  # both read k and the schedule from the draft's generation_config, as HF's docs say
+        draft = truncated_draft(model, args.draft_layers)
+        draft.generation_config.num_assistant_tokens = args.draft_k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0  # pagedkv does not apply it
+        SPEC, HF_SPEC, spec = PAGEDKV_DRAFT, HF_DRAFT, dict(assistant_model=draft)
+    else:
+        SPEC, HF_SPEC = PAGEDKV_PLD, HF_PLD
+        spec = dict(prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.ngram)
     systems = {
         PAGEDKV: lambda ids, mask: pagedkv.generate(model, ids, attention_mask=mask, **greedy),
-        PAGEDKV_PLD: lambda ids, mask: pagedkv.generate(model, ids, attention_mask=mask, **greedy, **lookup),
+        SPEC: lambda ids, mask: pagedkv.generate(model, ids, attention_mask=mask, **greedy, **spec),
     }
     if not args.no_hf:
         systems[HF] = lambda ids, mask: model.generate(ids, attention_mask=mask, **greedy)
         if batch == 1:  # HF's assisted generation refuses batches > 1
-            systems[HF_PLD] = lambda ids, mask: model.generate(ids, attention_mask=mask, **greedy, **lookup)
+            systems[HF_SPEC] = lambda ids, mask: model.generate(ids, attention_mask=mask, **greedy, **spec)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     seconds = dict.fromkeys(systems, 0.0)
     tokens = {name: [] for name in systems}  # per prompt, its new tokens
@@ -130,38 +151,51 @@ def main(argv: list[str] | None = None) -> dict:
                 sync(device)
                 seconds[name] += time.perf_counter() - start
                 tokens[name] += new_tokens(out, ids.shape[1], eos)
-                if name == PAGEDKV_PLD:
+                if name == SPEC:
                     stats = prepared(model).fixed_batch.last_prompt_lookup
                     rounds, proposed, accepted = (rounds + stats.rounds, proposed + stats.proposed,
                                                   accepted + stats.accepted)
 
     # pagedkv's speculative tokens must be its greedy tokens, prompt for prompt
-    differing = [i for i, (a, b) in enumerate(zip(tokens[PAGEDKV], tokens[PAGEDKV_PLD])) if a != b]
+    differing = [i for i, (a, b) in enumerate(zip(tokens[PAGEDKV], tokens[SPEC])) if a != b]
     equal = not differing
+    what = "assistant_model" if drafted else "prompt-lookup"
     if equal:
-        print(f"PASS: pagedkv prompt-lookup tokens equal pagedkv's greedy tokens on all {len(prompts)} prompts")
+        print(f"PASS: pagedkv {what} tokens equal pagedkv's greedy tokens on all {len(prompts)} prompts")
     else:
-        print(f"FAIL: pagedkv prompt-lookup tokens differ from pagedkv's greedy tokens on prompts {differing}")
+        print(f"FAIL: pagedkv {what} tokens differ from pagedkv's greedy tokens on prompts {differing}")
     counts = {name: sum(map(len, rows)) for name, rows in tokens.items()}
     speed = {name: counts[name] / seconds[name] for name in systems}
-    first_tokens = len(tokens[PAGEDKV_PLD])  # one per row, from the prefill
+    first_tokens = len(tokens[SPEC])  # one per row, from the prefill
     rows = []
     for name in systems:
         same = sum(a == b for a, b in zip(tokens[name], tokens[PAGEDKV]))
-        spec = name == PAGEDKV_PLD
+        ours = name == SPEC
         rows.append([name, counts[name], seconds[name], speed[name], speed[name] / speed[PAGEDKV],
-                     f"{accepted / proposed:.3f}" if spec and proposed else ("n/a" if name == HF_PLD else ""),
-                     f"{(counts[name] - first_tokens) / rounds:.2f}" if spec and rounds else "",
+                     f"{accepted / proposed:.3f}" if ours and proposed else ("n/a" if name == HF_SPEC else ""),
+                     f"{(counts[name] - first_tokens) / rounds:.2f}" if ours and rounds else "",
                      f"{same}/{len(prompts)}"])
     header = ["system", "new tokens", "seconds", "tokens/s", "speed-up vs pagedkv",
               "acceptance (accepted / proposed)", "new tokens / round", "prompts equal to pagedkv"]
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    title = (f"Prompt lookup (k {args.k}, n {args.ngram}), SmolLM2-135M-Instruct {str(dtype)[6:]}, "
+    method = (f"Draft model (the target's first {args.draft_layers} of {model.config.num_hidden_layers} "
+              f"layers, {parameter_count(draft) / 1e6:.0f}M of {parameter_count(model) / 1e6:.0f}M "
+              f"parameters; num_assistant_tokens {args.draft_k}, constant)" if drafted
+              else f"Prompt lookup (k {args.k}, n {args.ngram})")
+    title = (f"{method}, SmolLM2-135M-Instruct {str(dtype)[6:]}, "
              f"{len(prompts)} input-grounded prompts, batch {batch}, max_new_tokens {max_new}, greedy; "
              f"{device_name}; rounds {rounds}, proposed {proposed}, accepted {accepted}")
-    save_table(args.out, "bench_prompt_lookup", title, markdown_table(header, rows))
-    save_bar_plot(args.out, "bench_prompt_lookup", title.split(";")[0], [f"batch {batch}"],
+    stem = "bench_prompt_lookup_draft" if drafted else "bench_prompt_lookup"
+    save_table(args.out, stem, title, markdown_table(header, rows))
+    save_bar_plot(args.out, stem, title.split(";")[0], [f"batch {batch}"],
                   {name: [speed[name]] for name in systems}, "tokens/s")
+    result = {"equal": equal, "speed": speed, "rounds": rounds, "proposed": proposed, "accepted": accepted}
+    if drafted:  # the issue asks for the draft's acceptance and speed-up, with no goal to meet
+        vs_hf = (f"{speed[SPEC] / speed[HF_SPEC]:.2f}x HF's assistant_model" if HF_SPEC in speed else
+                 "HF's assistant_model n/a (" + ("--no-hf" if args.no_hf else "HF refuses batch > 1") + ")")
+        print(f"draft: acceptance {accepted / max(proposed, 1):.3f}, speed-up "
+              f"{speed[SPEC] / speed[PAGEDKV]:.2f}x pagedkv without speculation, {vs_hf}")
+        return result
     ratio = speed[PAGEDKV_PLD] / speed[PAGEDKV]
     goals = [f"goal: prompt lookup >= {GOAL_SPEEDUP}x pagedkv without speculation: "
              f"{ratio:.2f}x: {'PASS' if ratio >= GOAL_SPEEDUP else 'FAIL'}"]
@@ -173,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
                      ("--no-hf" if args.no_hf else "HF's prompt lookup refuses batch > 1") + ")")
     for line in goals:
         print(line + (" (batch 1 is the goal's setting)" if batch != 1 else ""))
-    return {"equal": equal, "speed": speed, "rounds": rounds, "proposed": proposed, "accepted": accepted}
+    return result
 
 
 if __name__ == "__main__":

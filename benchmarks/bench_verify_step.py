@@ -10,11 +10,12 @@ Runner-level timing: ModelRunner.run on a StepInput, wall time from the call to 
 (torch.cuda.synchronize), median of repeats; the step's host work (metadata, copies) counts for
 both. The decode step is timed as a CUDA graph replay (ModelRunner's captured decode step: the
 graph the engine replays; generate()'s own decode graphs also sample inside, the same forward) and
-eagerly for reference; the verification step runs eagerly, as prompt lookup runs it today. The
-cache holds the same rows before every timed step (tokens appended, timed, truncated again).
-Ratio = verification step / decode step. Goal (issue 34): k+1 = 5 at batch 1 <= 1.10x the graph
-decode step (on the CPU, where there are no graphs, against the eager one). --small: a tiny
-2-layer shape on the CPU (smoke test).
+eagerly for reference; the verification step eagerly and, on CUDA, as a CUDA graph through
+ModelRunner.run_rows_of (the padded verification step prompt lookup and assistant_model run with
+PAGEDKV_VERIFY_GRAPHS=1). The cache holds the same rows before every timed step (tokens appended,
+timed, truncated again). Ratios: graph verification / graph decode, eager / eager. Goal (issue 34):
+k+1 = 5 at batch 1 <= 1.10x the graph decode step (on the CPU, where there are no graphs, eager
+against eager). --small: a tiny 2-layer shape on the CPU (smoke test).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class Rows:
         self.eager = ModelRunner(state, self.cache, use_cuda_graphs=False)
         cuda = state.device.type == "cuda"
         self.graphs = ModelRunner(state, self.cache, use_cuda_graphs=True, max_batch=batch) if cuda else None
+        if self.graphs is not None:  # its verification steps as graphs (PAGEDKV_VERIFY_GRAPHS's path)
+            self.graphs.verify_graphs = True
         self.seq_ids = list(range(batch))
         vocab = model.config.vocab_size
         generator = torch.Generator().manual_seed(batch)
@@ -82,8 +85,10 @@ class Rows:
             self.eager.run(StepInput(self.seq_ids, sum(prompts, []), [CONTEXT] * batch, last))
         self.tokens = torch.randint(3, vocab, (batch * (max_k + 1),), generator=generator).tolist()
 
-    def step_ms(self, runner: ModelRunner, query: int, decode: bool, repeats: int) -> float:
-        """Median ms of one step of `query` new tokens a row (decode: query 1, decode metadata)."""
+    def step_ms(self, runner: ModelRunner, query: int, decode: bool, repeats: int, rows_of: bool = False) -> float:
+        """Median ms of one step of `query` new tokens a row (decode: query 1, decode metadata;
+        rows_of: through ModelRunner.run_rows_of, the verification step prompt lookup runs, a CUDA
+        graph per width when the runner's verify_graphs is on)."""
         batch = len(self.seq_ids)
         samples = []
         with torch.inference_mode():
@@ -93,7 +98,7 @@ class Rows:
                 step = StepInput(self.seq_ids, self.tokens[:batch * query], None if decode else [query] * batch)
                 sync(self.state.device)
                 start = time.perf_counter()
-                logits = runner.run(step)  # [B * query, V]
+                logits = runner.run_rows_of(step, query) if rows_of else runner.run(step)  # [B * query, V]
                 sync(self.state.device)
                 if i >= 3:
                     samples.append(1e3 * (time.perf_counter() - start))
@@ -128,16 +133,17 @@ def main(argv: list[str] | None = None) -> list[list]:
         print(f"batch {batch}: decode step {decode_graph:.3f} ms (graph), {decode_eager:.3f} ms (eager)", flush=True)
         for k in ks:
             verify = bench.step_ms(bench.eager, k + 1, False, repeats)
-            ratio = verify / base
-            rows.append([batch, k, k + 1, verify, decode_graph if cuda else "n/a", decode_eager,
-                         ratio if cuda else "n/a", verify / decode_eager])
+            verify_graph = bench.step_ms(bench.graphs, k + 1, False, repeats, rows_of=True) if cuda else float("nan")
+            ratio = (verify_graph if cuda else verify) / base
+            rows.append([batch, k, k + 1, verify, verify_graph if cuda else "n/a", decode_graph if cuda else "n/a",
+                         decode_eager, ratio if cuda else "n/a", verify / decode_eager])
             plot[f"k = {k}"].append(ratio)
             print(rows[-1], flush=True)
             if batch == 1 and k == GOAL_K:
                 goal_ratio = ratio
         del bench
-    header = ["batch", "k", "query tokens / row", "ms verification step (eager)", "ms decode step (graph)",
-              "ms decode step (eager)", "ratio vs graph decode", "ratio vs eager decode"]
+    header = ["batch", "k", "query tokens / row", "ms verification step (eager)", "ms verification step (graph)",
+              "ms decode step (graph)", "ms decode step (eager)", "ratio graph / graph", "ratio eager / eager"]
     shape = "tiny 2-layer Qwen2 shape (smoke), fp32" if args.small else "W1 (Qwen2.5-7B shape), bf16"
     title = (f"Verification step (k+1 query tokens a row) vs decode step, {shape}, context {CONTEXT}, "
              f"runner-level (ModelRunner.run + sync, median of {repeats}); "
