@@ -50,7 +50,7 @@ def test_bnb_nf4_model_runs_as_its_checkpoint(tmp_path, double_quant):
     """Equal to from_pretrained_quantized on the folder save_pretrained wrote, and to HF on the
     weights bitsandbytes dequantizes (its CPU forward is those only without double quantization:
     test_quantized_loaders.py); again after HF's own forward ran (it may repack on the CPU)."""
-    import bitsandbytes.functional as bnb
+    bnb = pytest.importorskip("bitsandbytes.functional")
 
     reference, hf = bnb_model(tmp_path / "fp32", double_quant)
     hf.save_pretrained(tmp_path / "nf4")
