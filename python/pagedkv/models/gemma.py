@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
-from pagedkv.layers.rotary import build_cos_sin_cache
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import layer_path, path_reason
@@ -166,30 +165,13 @@ def extract_gemma_weights(model) -> GemmaWeights:
     )
 
 
-@torch.no_grad()
-def gemma_cos_sin(model, max_positions: int, device: torch.device) -> torch.Tensor:
-    """[R, max_positions, rot_dim] fp32: the rotary tables GemmaLayerWeights.rope indexes, from
-    the model's own rotary module (Gemma-3's takes the layer type: one table per type)."""
-    config, rotary = model.config, model.model.rotary_emb
-    if config.model_type != "gemma3_text":
-        return build_cos_sin_cache(config, max_positions, device, rotary_emb=rotary)[None]
-    on = next(rotary.buffers()).device
-    positions = torch.arange(max_positions, device=on)[None]  # int64, as HF's position_ids
-    tables = []
-    for kind in rope_kinds(config):
-        cos, sin = rotary(torch.empty(1, dtype=torch.float32, device=on), positions, kind)
-        half = cos.shape[-1] // 2
-        tables.append(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(device))
-    return torch.stack(tables).contiguous()
-
-
 class GemmaDecoder:
     """The forward of one Gemma-family model over the paged cache (PagedDecoder's interface)."""
 
     def __init__(self, weights: GemmaWeights, cos_sin: torch.Tensor,
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         self.w = weights
-        self.cos_sin = cos_sin  # [R, max_position, Dh] fp32 (gemma_cos_sin)
+        self.cos_sin = cos_sin  # [R, max_position, Dh] fp32 (windows.layer_type_cos_sin)
         self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
         self.v_caches = v_caches
 

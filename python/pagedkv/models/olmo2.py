@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
-from pagedkv.layers.rotary import build_cos_sin_cache, rope_type
+from pagedkv.layers.rotary import rope_type
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import layer_path, path_reason
 from pagedkv.models.windows import layer_types, rope_kinds
@@ -134,23 +134,6 @@ def extract_olmo2_weights(model) -> Olmo2Weights:
     )
 
 
-@torch.no_grad()
-def olmo2_cos_sin(model, max_positions: int, device: torch.device) -> torch.Tensor:
-    """[R, max_positions, Dh] fp32: the rotary tables Olmo2LayerWeights.rope indexes, from the
-    model's own rotary module (OLMo-3's takes the layer type: one table per type)."""
-    config, rotary = model.config, model.model.rotary_emb
-    if config.model_type != "olmo3":
-        return build_cos_sin_cache(config, max_positions, device, rotary_emb=rotary)[None]
-    on = next(rotary.buffers()).device
-    positions = torch.arange(max_positions, device=on)[None]  # int64, as HF's position_ids
-    tables = []
-    for kind in rope_kinds(config):
-        cos, sin = rotary(torch.empty(1, dtype=torch.float32, device=on), positions, kind)  # [1, P, Dh]
-        half = cos.shape[-1] // 2
-        tables.append(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(device))
-    return torch.stack(tables).contiguous()
-
-
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N], weight [N] -> [..., N] in x's dtype: HF's Olmo2RMSNorm, its arithmetic."""
     h = x.float()
@@ -174,7 +157,7 @@ class Olmo2Decoder:
     def __init__(self, weights: Olmo2Weights, cos_sin: torch.Tensor,
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         self.w = weights
-        self.cos_sin = cos_sin  # [R, max_position, Dh] fp32: cos | sin halves (olmo2_cos_sin)
+        self.cos_sin = cos_sin  # [R, max_position, Dh] fp32: cos | sin halves (windows.layer_type_cos_sin)
         self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
         self.v_caches = v_caches
         # One position whose rotation is the identity: rope_and_write_kv only writes K and V.

@@ -12,6 +12,10 @@ follow the mask, not the module's `sliding_window` attribute, which only flash-a
 
 from __future__ import annotations
 
+import torch
+
+from pagedkv.layers.rotary import build_cos_sin_cache
+
 WHOLE_MODEL_WINDOW = ("mistral", "mixtral", "phi3", "qwen3_moe")
 PER_LAYER_WINDOW = ("qwen2", "qwen3", "qwen2_moe", "ministral", "cwm")
 
@@ -47,3 +51,21 @@ def layer_types(config) -> list[str]:
 def rope_kinds(config) -> list[str]:
     """The layer types that have a rotary table of their own (sorted), or one shared table."""
     return sorted(set(layer_types(config))) if config.model_type in ROPE_PER_LAYER_TYPE else ["full_attention"]
+
+
+@torch.no_grad()
+def layer_type_cos_sin(model, max_positions: int, device: torch.device) -> torch.Tensor:
+    """[R, max_positions, rot_dim] fp32, cos | sin halves: the rotary tables a layer's rope index
+    picks (R = len(rope_kinds)), from the model's own rotary module, which for Gemma-3 and OLMo-3
+    takes the layer type (one table per type)."""
+    config, rotary = model.config, model.model.rotary_emb
+    if config.model_type not in ROPE_PER_LAYER_TYPE:
+        return build_cos_sin_cache(config, max_positions, device, rotary_emb=rotary)[None]
+    on = next(rotary.buffers()).device
+    positions = torch.arange(max_positions, device=on)[None]  # int64, as HF's position_ids
+    tables = []
+    for kind in rope_kinds(config):
+        cos, sin = rotary(torch.empty(1, dtype=torch.float32, device=on), positions, kind)  # [1, P, Dh]
+        half = cos.shape[-1] // 2
+        tables.append(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(device))
+    return torch.stack(tables).contiguous()

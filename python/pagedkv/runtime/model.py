@@ -45,10 +45,11 @@ from pagedkv.layers.moe import moe_weight_tensors
 from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, RopeByLength, build_cos_sin_cache, max_length, rope_type
 from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read_shard
 from pagedkv.models.fallback import FallbackWeights, fallback_weights, settings_state
-from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights, gemma_cos_sin
+from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights
 from pagedkv.models.hf_quantized import QuantizedLinears, find_quantized, quantized_state, read_hf_quantized
 from pagedkv.models.llama import DecoderWeights, extract_weights
-from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, Olmo2Weights, extract_olmo2_weights, olmo2_cos_sin
+from pagedkv.models.windows import layer_type_cos_sin
+from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, Olmo2Weights, extract_olmo2_weights
 # PREPARED_ATTR: the attribute of the HF model that holds its PreparedModel (in the registry: its
 # support check lets a skeleton on meta run only with a shard).
 from pagedkv.models import registry
@@ -189,10 +190,8 @@ class PreparedModel:
             if rope_type(model.config) in LENGTH_DEPENDENT_ROPE_TYPES and isinstance(weights, DecoderWeights):
                 max_positions = max_length(model.config)
                 rope, cos_sin = RopeByLength(rotary, max_positions, device), None
-            elif isinstance(weights, GemmaWeights):
-                cos_sin = gemma_cos_sin(model, max_positions, device)
-            elif isinstance(weights, Olmo2Weights):  # OLMo-3: a table per layer type
-                cos_sin = olmo2_cos_sin(model, max_positions, device)
+            elif isinstance(weights, (GemmaWeights, Olmo2Weights)):  # Gemma-3, OLMo-3: a table per layer type
+                cos_sin = layer_type_cos_sin(model, max_positions, device)
             else:
                 cos_sin = build_cos_sin_cache(model.config, max_positions, device,
                                               rotary_emb=type(rotary)(model.config) if param.is_meta else rotary)
