@@ -23,8 +23,11 @@ per prompt group (B prompts, left-padded), systems interleaved per group so drif
 one warm-up call per system first. Acceptance = accepted / proposed tokens over the run;
 tokens / round = new tokens after the first (the prefill's) over verification rounds (a round
 verifies every unfinished row of the batch). pagedkv's prompt-lookup tokens must equal its
-non-speculative tokens (the same for the draft's): a FAIL line says where not. HF's tokens beside pagedkv's are
-informational (bf16 may part at near-ties). Goals (issue 34, batch 1): prompt lookup >= 2.0x
+non-speculative tokens (the same for the draft's): in fp32 (--dtype float32) exactly; in bf16 up
+to a near tie (the project's allowance: a verification step computes the same logits in another
+order, so the two part where the reference's top two logits nearly tie; each parting's gap in
+HF's forward over the common prefix is printed, and a FAIL line names any that is not a near
+tie). HF's tokens beside pagedkv's are informational. Goals (issue 34, batch 1): prompt lookup >= 2.0x
 pagedkv without speculation, and faster than HF's prompt lookup. k defaults to 10, HF's default
 prompt_lookup_num_tokens; n to 2, HF's max_matching_ngram_size default. --small: the first 3
 prompts, 16 new tokens (CPU smoke test).
@@ -87,6 +90,21 @@ def new_tokens(output: torch.Tensor, prompt_width: int, eos: set[int]) -> list[l
     return rows
 
 
+def parting(model, prompt: list[int], plain: list[int], spec: list[int]) -> tuple[int, float, bool]:
+    """(new token at which spec parts from plain, the top-2 gap of HF's logits there, near tie):
+    HF's forward over the common prefix; a near tie as tests/tolerance.py has it: both tokens'
+    logits within 5% of the top logit + 0.1 of it (three or more tokens may tie in bf16)."""
+    step = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    ids = torch.tensor([prompt + plain[:step]], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1].float()  # [V]
+    top2 = logits.topk(2).values
+    allowance = 0.05 * abs(float(top2[0])) + 0.1
+    pair = [row[step] for row in (plain, spec) if step < len(row)]  # a row may end (EOS) there
+    near = all(float(top2[0] - logits[t]) < allowance for t in pair)
+    return step, float(top2[0] - top2[1]), near
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -106,9 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help=f"draft mode: assistant_model = the target's first L layers (default {DRAFT_LAYERS})")
     parser.add_argument("--draft-k", type=int, default=4, help="num_assistant_tokens (draft mode)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="default: bfloat16 on CUDA, float32 on the CPU")
     args = parser.parse_args(argv)
     device = args.device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device == "cuda" else torch.float32
     max_new = 16 if args.small else args.max_new
     model, tokenizer = load_default_model(device, dtype)
     prompts = load_prompts(args.prompts, tokenizer, 3 if args.small else None)
@@ -158,12 +178,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     # pagedkv's speculative tokens must be its greedy tokens, prompt for prompt
     differing = [i for i, (a, b) in enumerate(zip(tokens[PAGEDKV], tokens[SPEC])) if a != b]
-    equal = not differing
     what = "assistant_model" if drafted else "prompt-lookup"
-    if equal:
+    partings = [parting(model, prompts[i], tokens[PAGEDKV][i], tokens[SPEC][i]) for i in differing]
+    for i, (step, gap, near) in zip(differing, partings):
+        print(f"prompt {i}: parts at new token {step}, top-2 gap {gap:.3f} in HF's logits: "
+              + ("a near tie" if near else "NOT a near tie"))
+    equal = not differing or (dtype != torch.float32 and all(near for _, _, near in partings))
+    if not differing:
         print(f"PASS: pagedkv {what} tokens equal pagedkv's greedy tokens on all {len(prompts)} prompts")
+    elif equal:
+        print(f"PASS: pagedkv {what} tokens equal pagedkv's greedy tokens up to a near tie "
+              f"({len(differing)} of {len(prompts)} prompts part, each at a near tie)")
     else:
-        print(f"FAIL: pagedkv {what} tokens differ from pagedkv's greedy tokens on prompts {differing}")
+        print(f"FAIL: pagedkv {what} tokens differ from pagedkv's greedy tokens on prompts {differing}"
+              + (" (fp32: must be equal)" if dtype == torch.float32 else " not at a near tie"))
     counts = {name: sum(map(len, rows)) for name, rows in tokens.items()}
     speed = {name: counts[name] / seconds[name] for name in systems}
     first_tokens = len(tokens[SPEC])  # one per row, from the prefill

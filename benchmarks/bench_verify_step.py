@@ -12,7 +12,7 @@ both. The decode step is timed as a CUDA graph replay (ModelRunner's captured de
 graph the engine replays; generate()'s own decode graphs also sample inside, the same forward) and
 eagerly for reference; the verification step eagerly and, on CUDA, as a CUDA graph through
 ModelRunner.run_rows_of (the padded verification step prompt lookup and assistant_model run with
-PAGEDKV_VERIFY_GRAPHS=1). The cache holds the same rows before every timed step (tokens appended,
+on CUDA by default). The cache holds the same rows before every timed step (tokens appended,
 timed, truncated again). Ratios: graph verification / graph decode, eager / eager. Goal (issue 34):
 k+1 = 5 at batch 1 <= 1.10x the graph decode step (on the CPU, where there are no graphs, eager
 against eager). --small: a tiny 2-layer shape on the CPU (smoke test).
@@ -72,7 +72,7 @@ class Rows:
         self.eager = ModelRunner(state, self.cache, use_cuda_graphs=False)
         cuda = state.device.type == "cuda"
         self.graphs = ModelRunner(state, self.cache, use_cuda_graphs=True, max_batch=batch) if cuda else None
-        if self.graphs is not None:  # its verification steps as graphs (PAGEDKV_VERIFY_GRAPHS's path)
+        if self.graphs is not None:  # its verification steps as graphs (prompt lookup's path on CUDA)
             self.graphs.verify_graphs = True
         self.seq_ids = list(range(batch))
         vocab = model.config.vocab_size

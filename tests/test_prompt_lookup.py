@@ -9,6 +9,8 @@ proposals that are accepted, and EOS or max_new_tokens can be put inside an acce
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -33,7 +35,8 @@ def walker():
 
 def walk(model, start: int, n: int) -> list[int]:
     """start and the n greedy tokens after it."""
-    out = pagedkv.generate(model, torch.tensor([[start]]), max_new_tokens=n, **GREEDY)
+    device = next(model.parameters()).device
+    out = pagedkv.generate(model, torch.tensor([[start]], device=device), max_new_tokens=n, **GREEDY)
     return out[0].tolist()
 
 
@@ -71,6 +74,23 @@ def test_propose_is_hf_prompt_lookup():
     assert propose([1, 6, 9, 5, 6, 2, 6], 2, 2) == [9, 5]  # no 2-gram: the first 1-gram 6
     assert propose([1, 2, 3], 4, 2) == []
     assert propose([4, 4], 4, 3) == [4]  # the continuation stops at the row's end
+
+
+def test_ngram_index_proposes_what_the_scan_does():
+    """NgramIndex (what generate's rounds use) against propose's scan, on random rows of a small
+    vocabulary (many repeats) grown a few tokens at a time, for n-gram sizes 1..4 and k 1..5."""
+    from pagedkv.runtime.prompt_lookup import NgramIndex
+
+    rng = random.Random(0)
+    for case in range(200):
+        max_ngram, vocab = rng.randint(1, 4), rng.randint(2, 6)
+        index, tokens = NgramIndex(max_ngram), []
+        for _ in range(rng.randint(1, 12)):
+            grown = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+            tokens += grown
+            index.extend(grown)
+            k = rng.randint(1, 5)
+            assert index.propose(k) == propose(tokens, k, max_ngram), (case, tokens, k, max_ngram)
 
 
 @pytest.mark.parametrize("lengths", [[7], [5, 17, 1, 33]])

@@ -1,7 +1,8 @@
 """Speculative verification steps padded to one width a row (runner.run_rows_of: the shape a CUDA
-graph per batch bucket and width replays; PAGEDKV_VERIFY_GRAPHS=1 turns it on, opt-in until these
-tests pass on a GPU): the tokens of non-speculative decoding, every slot given back, and the step
-metadata's padding rows of that width."""
+graph per batch bucket and width replays; on CUDA by default, PAGEDKV_VERIFY_GRAPHS=0 turns it off;
+the fixture turns it on for the CPU too, where the padded step runs eagerly): the tokens of
+non-speculative decoding, every slot given back, and the step metadata's padding rows of that
+width."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from test_prompt_lookup import GREEDY, assert_cache_empty, batch, stats, walk, w
 @pytest.fixture
 def padded_verification(monkeypatch):
     """Runners built from here on pad verification steps (and capture them on CUDA)."""
-    monkeypatch.setattr(runner_module, "verify_graphs_wanted", lambda: True)
+    monkeypatch.setattr(runner_module, "verify_graphs_wanted", lambda device: True)
 
 
 def mixed_rows(model) -> list[list[int]]:
@@ -64,9 +65,9 @@ def test_assistant_model_padded_gives_greedy_tokens(padded_verification, device)
 
 
 def test_widths_and_room():
-    assert [verification_width(n) for n in (1, 2, 4, 5, 6, 11, 33, 40)] == [1, 2, 5, 5, 9, 17, 33, 40]
+    assert [verification_width(n) for n in (1, 2, 4, 5, 6, 8, 9, 11, 32, 40)] == [1, 2, 4, 5, 6, 8, 12, 12, 32, 40]
     assert lookup_room(0, 3) == (0, 0)
-    assert lookup_room(10, 3) == (16, 4 * 17)  # k + 1 = 11 -> width 17; 3 rows -> a bucket of 4
+    assert lookup_room(10, 3) == (11, 4 * 12)  # k + 1 = 11 -> width 12; 3 rows -> a bucket of 4
 
 
 def test_padding_rows_of_a_width():
@@ -82,3 +83,49 @@ def test_padding_rows_of_a_width():
         cache.build_metadata([1], [3], padded_batch=4, pad_query_len=0)
     with pytest.raises(ValueError, match="padding rows of 30 tokens exceed max_tokens 64"):
         cache.build_metadata([1], [3], padded_batch=4, pad_query_len=30)
+
+
+def _models():
+    import test_fallback
+    import test_gemma
+    from models import tiny_model
+    return {"llama": lambda: tiny_model("llama"), "qwen3": lambda: tiny_model("qwen3"),
+            "gemma2 (window 8, softcaps)": lambda: test_gemma.tiny("gemma2"),
+            "gpt_neox (fallback)": lambda: test_fallback.tiny("gpt_neox")}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(_models()))
+def test_tokens_as_decode_rows_equal_the_prefill_shaped_step(name, device):
+    """run_rows_of runs each token of a verification row as a decode row of its own: the logits of
+    the prefill-shaped step (paged prefill attention over query_start_loc) to fp32 rounding, for
+    each decoder (a window shorter than the context, softcaps, HF's own modules), rows of several
+    lengths, padded to a bucket on CUDA."""
+    from pagedkv.runtime.model import prepared
+    from pagedkv.runtime.runner import ModelRunner, StepInput
+
+    model = _models()[name]().to(device)
+    state = prepared(model)
+    w = state.weights
+    cache = KVCache(len(w.layers), w.num_kv_heads, w.head_dim, dtype=state.dtype, device=state.device,
+                    block_size=16, num_blocks=16, max_seq_len=state.max_positions,
+                    enable_prefix_caching=False, max_batch_size=256, max_step_tokens=256)
+    eager = ModelRunner(state, cache, use_cuda_graphs=False)
+    graphs = ModelRunner(state, cache, use_cuda_graphs=device == "cuda")
+    width, lengths = 5, [3, 21, 12]  # contexts past the window of 8
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        prompts = [torch.randint(3, 256, (n,)).tolist() for n in lengths]
+        for sid, prompt in enumerate(prompts):
+            cache.add_sequence(sid, prompt)
+        eager.run(StepInput([0, 1, 2], sum(prompts, []), lengths))
+        feed = torch.randint(3, 256, (3 * width,)).tolist()
+        for sid in range(3):
+            cache.append_tokens(sid, feed[sid * width:(sid + 1) * width])
+        step = StepInput([0, 1, 2], feed, [width] * 3)
+        expected = eager.run(step).float()  # [3 * width, V]
+        for runner in (eager, graphs, graphs):  # graphs twice: the capture, then a replay
+            got = runner.run_rows_of(step, width).float()
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for sid in range(3):
+        cache.free(sid)

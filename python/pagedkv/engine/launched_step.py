@@ -15,6 +15,7 @@ import torch
 
 from pagedkv.engine.request import Sequence, Status
 from pagedkv.engine.sampling_batch import SamplingBatch
+from pagedkv.engine.speculative_rows import VerifyRows
 from pagedkv.runtime.runner import PendingTokens
 
 
@@ -28,10 +29,11 @@ class LaunchedStep:
     # Rows whose read-back does more (engine/watched.py): (sequence, its row of `logprobs`, or -1)
     watched: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
     logprobs: torch.Tensor | None = None  # [W, 3 + 2k] float64 on the host, valid once `copied`
+    verify: VerifyRows | None = None  # speculative decoding's verification rows (engine/speculation.py)
 
     @classmethod
     def sampled(cls, samplers: list[Sequence], repeat: bool, samples: torch.Tensor,
-                batch: SamplingBatch) -> LaunchedStep:
+                batch: SamplingBatch, verify: VerifyRows | None = None) -> LaunchedStep:
         """Start the copy of samples [S] (and of the logprob table of the batch's sampler, if it
         made one) to the host, stream-ordered after the sampler; the samplers are pending until
         it is read."""
@@ -41,19 +43,21 @@ class LaunchedStep:
         table = batch.sampler.processing.step_logprobs if watched and batch.sampler.processing else None
         if samples.device.type != "cuda":
             return cls(samplers, repeat, samples, samples.clone(), None, watched,
-                       None if table is None else table.clone())
+                       None if table is None else table.clone(), verify)
         host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=True)
         host.copy_(samples, non_blocking=True)
         if table is not None:
             table = torch.empty(table.shape, dtype=table.dtype, pin_memory=True).copy_(table, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(samplers, repeat, samples, host, copied, watched, table)
+        return cls(samplers, repeat, samples, host, copied, watched, table, verify)
 
     def read(self, abort: Callable[[str], None]) -> list[int]:
         """The samples, in sample-row order; waits for the device (only for this step). A -1
         (ops.sample: a sampled row's logits held NaN or inf) of a running sequence aborts its
         request with abort(request_id) and raises; read again, the others' samples are intact."""
+        if self.verify is not None:
+            self.verify.read(abort)
         if self.host is None:
             return []
         if self.copied is not None:

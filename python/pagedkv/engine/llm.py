@@ -34,14 +34,16 @@ from pagedkv.cache import KVCache, KVCacheSpec, num_blocks_for
 from pagedkv.cache.kv_dtype import kv_cache_options
 from pagedkv.cache.spec import cache_sizing
 from pagedkv.engine.batch_api import BatchAPI
+from pagedkv.engine.draft import shared_with_draft
 from pagedkv.engine.launched_step import LaunchedStep, pending_inputs
-from pagedkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from pagedkv.engine.outputs import EngineStats, RequestOutput
 from pagedkv.engine.prompts import Prompt, check_params, load_model, tokenize_prompt
 from pagedkv.engine.repair import rebuild
-from pagedkv.engine.request import Request, Sequence, Status
+from pagedkv.engine.request import Request, Sequence, Status, new_request
 from pagedkv.engine.sampling_batch import SamplingBatch
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.speculation import check_request, decode_rows, speculation_for
 from pagedkv.engine.step_outputs import deliver, step_outputs
 from pagedkv.engine.watched import read_watched
 from pagedkv.models.registry import check_supported
@@ -64,6 +66,9 @@ class LLM(BatchAPI):
     use_cuda_graphs: replay decode-only steps as CUDA graphs, one per batch bucket (default on
     for CUDA models). overlap_steps: launch each step before the previous one's tokens are read
     back (default on for CUDA models; off, every step waits for the one before).
+    Speculative decoding (engine/speculation.py; steps run serially): HF's prompt lookup
+    (prompt_lookup_num_tokens k >= 1, max_matching_ngram_size), or a draft model on its own cache
+    (assistant_model, num_assistant_tokens); a request's SamplingParams may override k.
 
     Threads may share an engine: its calls run one at a time (generate() and stream() hold it
     until they return or stop, so another thread's call waits for them).
@@ -74,7 +79,9 @@ class LLM(BatchAPI):
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  use_cuda_graphs: bool | None = None, overlap_steps: bool | None = None,
-                 dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto", kv_cache_scales=None) -> None:
+                 dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto", kv_cache_scales=None,
+                 prompt_lookup_num_tokens: int = 0, max_matching_ngram_size: int | None = None,
+                 assistant_model=None, num_assistant_tokens: int | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"pagedkv.LLM: max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -91,7 +98,8 @@ class LLM(BatchAPI):
         self.tp = state.tp
         self.device = state.device
         limit = state.max_positions
-        sizing = cache_sizing(kv_cache_memory, num_kv_blocks, self.device)
+        sizing = shared_with_draft(model, assistant_model, state, block_size,  # a draft's cache shares it
+                                   cache_sizing(kv_cache_memory, num_kv_blocks, self.device))
         w = state.weights
         if self.tp is not None:
             spec = KVCacheSpec(len(w.layers), w.num_kv_heads, w.head_dim, state.dtype, block_size)
@@ -110,11 +118,15 @@ class LLM(BatchAPI):
         graphs = cuda_graphs_wanted(use_cuda_graphs, state, "pagedkv.LLM")
         self.runner = ModelRunner(state, self.cache, graphs, max_batch=max_num_seqs,
                                   insist_graphs=use_cuda_graphs is True)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.speculation = speculation_for(model, state, self.cache, dict(
+            prompt_lookup_num_tokens=prompt_lookup_num_tokens, max_matching_ngram_size=max_matching_ngram_size,
+            assistant_model=assistant_model, num_assistant_tokens=num_assistant_tokens), overlap_steps, graphs,
+            (max_num_seqs, max_num_batched_tokens, self.max_model_len))
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
+                                   self.speculation and self.speculation.propose)
         self.vocab_size = w.vocab_size
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        if eos is None:
-            eos = model.config.eos_token_id
+        eos = getattr(model.generation_config, "eos_token_id", None)  # generation_config may be None
+        eos = model.config.eos_token_id if eos is None else eos
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.sampling = SamplingBatch(Sampler(max_num_seqs, self.device), self.vocab_size)
         # Seeds of requests that name none; from Python's global generator, so random.seed()
@@ -127,7 +139,7 @@ class LLM(BatchAPI):
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._seq_counter = itertools.count()
-        self.overlap_steps = overlap_wanted(overlap_steps, self.device)
+        self.overlap_steps = overlap_wanted(overlap_steps, self.device) and self.speculation is None
         self._launched: collections.deque[LaunchedStep] = collections.deque()  # oldest first, <= 2
         self._lock = threading.RLock()
         # Requests finished in a step whose outputs have not been returned yet (an interrupted
@@ -173,6 +185,7 @@ class LLM(BatchAPI):
                             f"{type(params).__name__}")
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
         check_params(params, self.tokenizer, self.vocab_size)
+        check_request(self.speculation, params)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"pagedkv.LLM: the prompt has {len(ids)} tokens; at most "
                              f"{self.max_model_len - 1} fit (max_model_len {self.max_model_len}, one "
@@ -187,25 +200,16 @@ class LLM(BatchAPI):
 
     def _auto_ids(self, count: int) -> list[str]:
         """`count` new request ids from the counter, skipping ids in use (given by a caller)."""
-        ids = []
-        while len(ids) < count:
-            request_id = str(next(self._request_counter))
-            if request_id not in self._requests:
-                ids.append(request_id)
-        return ids
+        fresh = (i for i in map(str, self._request_counter) if i not in self._requests)
+        return list(itertools.islice(fresh, count))
 
     def _new_request(self, text: str | None, ids: list[int], params: SamplingParams,
                      request_id: str) -> Request:
         """A request and its first sequence, not queued yet (nothing of the engine changes)."""
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62) - params.n
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        stop_ids = frozenset(params.stop_token_ids) | eos
-        request = Request(request_id, text, ids, params, max(seed, 0),
-                          RequestMetrics(arrival_time=time.perf_counter()), stop_ids=stop_ids,
-                          max_len=min(len(ids) + params.max_tokens, self.max_model_len))
-        request.sequences.append(Sequence(next(self._seq_counter), request, 0, list(ids), len(ids),
-                                          pending_forks=params.n - 1))
-        return request
+        return new_request(request_id, text, ids, params, max(seed, 0), eos, self.max_model_len,
+                           next(self._seq_counter))
 
     def _commit(self, requests: list[Request]) -> None:
         """Queue the requests, all or none: the table takes them in one dict update (one C call;
@@ -228,6 +232,8 @@ class LLM(BatchAPI):
             for seq in request.sequences:
                 if seq.status is not Status.FINISHED:
                     self.scheduler.abort(seq)
+            if self.speculation is not None:
+                self.speculation.release(self.scheduler.running)
             self._dirty = False
 
     def has_unfinished_requests(self) -> bool:
@@ -245,6 +251,8 @@ class LLM(BatchAPI):
             return
         self._launched.clear()
         self.sampling = self.sampling.fresh()  # the rows it knew may not have run
+        if self.speculation is not None:
+            self.speculation.reset()
         self._finished = rebuild(self._requests, self.scheduler, self.tokenizer)
         self._dirty = False
 
@@ -331,6 +339,11 @@ class LLM(BatchAPI):
             self.cache.set_pending_tokens(named_ids, named)
         if step.watched:  # stop strings, logprobs
             read_watched(step.watched, step.read_logprobs(), self.scheduler, finished, self.tokenizer)
+        if self.speculation is not None:  # verification rows: several tokens each
+            more, verified = self.speculation.read_back(step.verify, self.scheduler, finished,
+                                                        self.tokenizer)
+            got += more
+            self.stats.num_generated_tokens += verified - len(more)
         if self._launched and not self._launched[0].has_live_samples():
             self._launched.popleft()  # every sample of the step ahead ended: nothing to read
         for seq in () if step.repeat else got:  # a repeated batch has had its first tokens
@@ -343,14 +356,14 @@ class LLM(BatchAPI):
     def _run(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the forward and sampling of one step. Advances num_computed, forks n > 1
         samples once their prompt is computed."""
-        decodes, prefills = sched.decodes, sched.prefills
-        decode_only = all(r.num_new == 1 and (self.runner.model.rope is None  # rope by length: S = position + 1
-                                              or r.seq.num_computed + 1 >= r.seq.prompt_len) for r in prefills)
+        decodes, prefills, proposals = sched.decodes, sched.prefills, sched.proposals
+        decode_only = not proposals and all(r.num_new == 1 and (self.runner.model.rope is None  # by length: S =
+                                                                or r.seq.num_computed + 1 >= r.seq.prompt_len)  # position + 1
+                                            for r in prefills)
         seq_ids = sched.decode_ids + [r.seq.seq_id for r in prefills] if prefills else sched.decode_ids
-        query_lens = None if decode_only else [1] * len(decodes) + [r.num_new for r in prefills]
-        tokens = list(sched.decode_tokens)  # a decode row feeds its last token and samples
-        samplers = list(decodes)
-        logits_rows = list(range(len(decodes)))
+        # A decode row feeds its last token and samples; one verifying a proposal feeds both.
+        tokens, lens, logits_rows, samplers, verify = decode_rows(decodes, sched.decode_tokens, proposals)
+        query_lens = None if decode_only else lens + [r.num_new for r in prefills]
         for r in prefills:
             start = r.seq.num_computed
             tokens += r.seq.token_ids[start:start + r.num_new]
@@ -364,8 +377,10 @@ class LLM(BatchAPI):
             seq.num_computed += 1
         for r in prefills:
             r.seq.num_computed += r.num_new
+        if verify is not None:
+            logits = self.speculation.verify(logits, verify)  # the ordinary samplers' rows
         if not samplers:
-            return LaunchedStep([], False)
+            return LaunchedStep([], False, verify=verify)
 
         # n > 1: fork the samples once the prompt is computed; they share its logits row. A
         # repeated batch has no forks pending: they were made when its sequences sampled before.
@@ -374,7 +389,7 @@ class LLM(BatchAPI):
             row_of = list(range(len(samplers)))
             for i, seq in enumerate(list(samplers)):
                 if seq.pending_forks:
-                    children = self._fork(seq)
+                    children = self.scheduler.fork(seq, [next(self._seq_counter) for _ in range(seq.pending_forks)])
                     samplers += children
                     row_of += [i] * len(children)
             if len(row_of) > len(logits_rows):
@@ -382,18 +397,4 @@ class LLM(BatchAPI):
         # With CUDA graphs the logits view the graph's output; the sampler runs on the same
         # stream before the next replay overwrites them.
         sampler = self.sampling.prepare(samplers, self.stats.num_steps, repeat)
-        return LaunchedStep.sampled(samplers, repeat, sampler(logits), self.sampling)
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        request = parent.request
-        children = []
-        for index in range(1, parent.pending_forks + 1):
-            child = Sequence(next(self._seq_counter), request, index, list(parent.token_ids),
-                             parent.prompt_len, status=Status.RUNNING,
-                             num_computed=parent.num_computed, in_cache=True)
-            self.cache.fork(parent.seq_id, child.seq_id)
-            children.append(child)
-        request.sequences += children
-        parent.pending_forks = 0
-        self.scheduler.insert_after(parent, children)
-        return children
+        return LaunchedStep.sampled(samplers, repeat, sampler(logits), self.sampling, verify)

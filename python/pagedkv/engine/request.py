@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 
 from pagedkv.engine.outputs import RequestMetrics
 from pagedkv.engine.sampling_params import SamplingParams
@@ -88,3 +89,14 @@ class Sequence:
     @property
     def seed(self) -> int:
         return self.request.seed + self.index
+
+
+def new_request(request_id: str, text: str | None, ids: list[int], params: SamplingParams, seed: int,
+                eos_ids: frozenset[int], max_model_len: int, seq_id: int) -> Request:
+    """A request and its first sequence (seq_id), not queued yet; eos_ids: the model's EOS ids
+    unless the request ignores them."""
+    request = Request(request_id, text, ids, params, seed, RequestMetrics(arrival_time=time.perf_counter()),
+                      stop_ids=frozenset(params.stop_token_ids) | eos_ids,
+                      max_len=min(len(ids) + params.max_tokens, max_model_len))
+    request.sequences.append(Sequence(seq_id, request, 0, list(ids), len(ids), pending_forks=params.n - 1))
+    return request

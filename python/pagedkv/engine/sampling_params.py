@@ -73,6 +73,11 @@ class SamplingParams:
     one's are dropped; 0 = off). logprobs=k in [0, 20]: each output token's logprob and rank, and
     the k most likely tokens', from the model's raw distribution (before any processing).
 
+    Speculative decoding (engine/speculation.py), for an engine made with it: None takes the
+    engine's setting; prompt_lookup_num_tokens (>= 0, 0 = off for this request) and
+    max_matching_ngram_size (>= 1) on an engine with prompt lookup, num_assistant_tokens (>= 0)
+    on one with an assistant_model.
+
     Counts and ids are ints, never bools: max_tokens >= 1 (no upper bound), n >= 1, top_k >= -1
     (-1 and 0 are off, -1 is stored as 0; any value >= the vocabulary size is off), seed in [0, 2**62), stop_token_ids in [0, 2**31);
     temperature finite in float32.
@@ -94,6 +99,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     logprobs: int | None = None
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    num_assistant_tokens: int | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -144,6 +152,11 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             errors.append(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (top tokens per output "
                           f"token), got {self.logprobs!r}")
+        for name, low in (("prompt_lookup_num_tokens", 0), ("max_matching_ngram_size", 1),
+                          ("num_assistant_tokens", 0)):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < low):
+                errors.append(f"{name} must be None (the engine's) or an int >= {low}, got {value!r}")
         return errors
 
     @property

@@ -12,6 +12,9 @@ Policy (one step, budget = max_num_batched_tokens new tokens, at most max_num_se
    cache are not computed again. A prompt longer than the left budget is chunked: its first
    chunk is added now, the rest is appended by later steps, so every block the cache can hand
    to another prompt as a prefix hit has its K/V written by the step that reserved it.
+With speculative decoding (engine/speculation.py), step 1 is followed by the decode rows'
+proposals: `propose(decodes, budget)` gives each speculating row its tokens, their slots are
+reserved (a proposal shrinks to what fits, never preempting), and they count against the budget.
 
 Scheduled while the step before still runs (the engine overlaps the two), a sequence that sampled
 in that step is `pending`: its token is not known on the host yet. It decodes as usual, its slot
@@ -25,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import Callable
 
 from pagedkv.cache import PENDING_TOKEN, CacheFull, KVCache
 from pagedkv.engine.request import Sequence, Status
@@ -51,15 +55,19 @@ class SchedulerOutput:
     prefills: list[ScheduledRow]  # prefill chunks, after the decode rows
     preempted: list[Sequence]
     num_cached_tokens: int  # prompt tokens found in the prefix cache by this step's admissions
+    # decode rows that verify proposed tokens (speculative decoding): their slots are reserved
+    proposals: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(r.num_new for r in self.prefills)
+        return len(self.decodes) + sum(map(len, self.proposals.values())) + sum(r.num_new for r in self.prefills)
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 propose: Callable[[list[Sequence], int], dict[Sequence, list[int]]] | None = None):
         self.cache = cache
+        self.propose = propose  # speculative decoding's proposals (engine/speculation.py), or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -106,7 +114,9 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim)
                 self._drop_decode(victim, decodes, decode_ids, decode_tokens)
-        budget = self.max_num_batched_tokens - len(decodes)
+        proposals = self._reserve(self.propose(decodes, self.max_num_batched_tokens - len(decodes))
+                                  ) if self.propose is not None and decodes else {}
+        budget = self.max_num_batched_tokens - len(decodes) - sum(map(len, proposals.values()))
 
         prefills: list[ScheduledRow] = []
         for seq in prefilling:
@@ -123,8 +133,10 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim)
                 self._drop_decode(victim, decodes, decode_ids, decode_tokens)
+                proposals.pop(victim, None)
                 prefills = [r for r in prefills if r.seq is not victim]
-                budget = self.max_num_batched_tokens - len(decodes) - sum(r.num_new for r in prefills)
+                budget = (self.max_num_batched_tokens - len(decodes) - sum(map(len, proposals.values()))
+                          - sum(r.num_new for r in prefills))
                 chunk = min(seq.num_left, budget)
             if chunk == 0:
                 continue
@@ -132,7 +144,8 @@ class Scheduler:
             self.cache.append_tokens(seq.seq_id, seq.token_ids[start:start + chunk])
             prefills.append(ScheduledRow(seq, chunk))
             budget -= chunk
-        budget = self.max_num_batched_tokens - len(decodes) - sum(r.num_new for r in prefills)
+        budget = (self.max_num_batched_tokens - len(decodes) - sum(map(len, proposals.values()))
+                  - sum(r.num_new for r in prefills))
 
         cached = 0
         slots = self._seq_slots() if self.waiting else 0
@@ -150,7 +163,20 @@ class Scheduler:
             prefills.append(ScheduledRow(seq, num_new))
             budget -= num_new
             cached += hits
-        return SchedulerOutput(decodes, decode_ids, decode_tokens, prefills, preempted, cached)
+        return SchedulerOutput(decodes, decode_ids, decode_tokens, prefills, preempted, cached, proposals)
+
+    def _reserve(self, proposals: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
+        """Reserve the proposals' slots after their rows' last tokens, each shrunk (halved) to what
+        the free blocks allow; those that keep a token."""
+        kept = {}
+        for seq, proposal in proposals.items():
+            n = len(proposal)
+            while n and not self.cache.can_allocate(self.cache.blocks_needed_to_append([seq.seq_id], n)):
+                n //= 2
+            if n:
+                self.cache.append_tokens(seq.seq_id, proposal[:n])
+                kept[seq] = proposal[:n]
+        return kept
 
     @staticmethod
     def _drop_decode(victim: Sequence, decodes: list[Sequence], ids: list[int], tokens: list[int]) -> None:
@@ -203,10 +229,20 @@ class Scheduler:
         self.num_preemptions += 1
 
     # -- after a step ------------------------------------------------------------------------
-    def insert_after(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Forked samples run right after their parent (same admission rank)."""
+    def fork(self, parent: Sequence, seq_ids: list[int]) -> list[Sequence]:
+        """The parent's pending samples (n > 1) as new sequences seq_ids sharing its blocks; they
+        run right after it (same admission rank)."""
+        request = parent.request
+        children = []
+        for index, seq_id in enumerate(seq_ids, 1):
+            children.append(Sequence(seq_id, request, index, list(parent.token_ids), parent.prompt_len,
+                                     status=Status.RUNNING, num_computed=parent.num_computed, in_cache=True))
+            self.cache.fork(parent.seq_id, seq_id)
+        request.sequences += children
+        parent.pending_forks = 0
         at = self.running.index(parent) + 1
         self.running[at:at] = children
+        return children
 
     def reset(self, waiting: list[Sequence]) -> None:
         """Start over (engine/repair.py): nothing runs, `waiting` waits in this order. Every

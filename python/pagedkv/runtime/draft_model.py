@@ -71,6 +71,7 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner, prompts: list[list[int]], k: int, schedule: str,
                  max_new: int, eos_ids: tuple[int, ...]):
         self.runner, self.prompts, self.schedule, self.eos_ids = runner, prompts, schedule, eos_ids
+        self.runners = (runner,)  # its decode steps replay as graphs in a call that wants them
         self.k = [k] * len(prompts)  # [B] each row's num_assistant_tokens
         # The most tokens a proposal may hold (a verification row is this + 1 tokens).
         self.max_tokens = max(0, max_new - 1 if schedule != "constant" else min(k, max_new - 1))

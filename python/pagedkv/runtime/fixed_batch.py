@@ -162,9 +162,9 @@ class FixedBatch:
         runner.cache.free_all(keep_cached=False)
         seq_ids = list(range(len(prompts) * n))
         try:
-            if lookup:  # greedy, eager verification steps; its rows are freed by it
+            if lookup:  # verification steps (graphs: run_rows_of's); its rows are freed by it
                 new_tokens, self.last_prompt_lookup = run_prompt_lookup(runner, seq_ids, prompts, settings,
-                                                                        streamer, input_ids, proposer)
+                                                                        streamer, input_ids, proposer, graphs)
                 return new_tokens
             new_tokens = self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs,
                                    decode_loop, base)  # [B * n, N]

@@ -14,7 +14,8 @@ accepted and the row emits it plus the next greedy token (sampling: each propose
 accepted with its target probability, the next token drawn from the residual or the last
 target). The rejected tokens' slots are given back (KVCache.truncate), so the cache holds
 exactly the row's fed tokens. EOS and max_new_tokens end a row inside a round as they end it
-in a decode step. Steps run eagerly, one host read-back per round.
+in a decode step. One host read-back per round; on CUDA each round's step is padded to one
+width a row and replayed as a CUDA graph (runner.run_rows_of).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from pagedkv.runtime.model import PreparedModel
-from pagedkv.runtime.runner import ModelRunner, StepInput, bucket
+from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, graph_steps, to_device
 from pagedkv.runtime.sampler import Sampler
 from pagedkv.runtime.speculative_sampling import SpeculativeSampler
 
@@ -88,6 +89,7 @@ class Proposer(Protocol):
     (runtime/draft_model.py). Rows are indices into the batch, out[i] row i's new tokens so far."""
 
     max_tokens: int  # the most tokens one proposal holds
+    runners: tuple[ModelRunner, ...]  # the runners whose steps it runs (graphs or not, per call)
 
     def propose(self, rows: list[int], out: list[list[int]], caps: list[int]) -> list[list[int]]:
         """Each row's proposal: at most caps[j] tokens (its remaining max_new_tokens - 1)."""
@@ -95,23 +97,65 @@ class Proposer(Protocol):
         """After the round's verification: how many leading tokens of each proposal were kept."""
 
 
+class NgramIndex:
+    """`propose` over a growing token list without scanning it: the first start of every n-gram
+    (n <= max_ngram) seen, extended as tokens come. A round's lookup is then a few dict reads
+    (a scan of a 700-token row costs ~0.1 ms of host time a round, most of what a round of a
+    small model may spend on the host)."""
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.first: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.first.setdefault(tuple(self.tokens[end - n:]), end - n)
+
+    def propose(self, k: int) -> list[int]:
+        """propose(self.tokens, k, max_ngram): the first occurrence of the last n tokens is an
+        earlier one iff it starts before the tail itself."""
+        tokens, length = self.tokens, len(self.tokens)
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            start = self.first[tuple(tokens[length - n:])]
+            if start < length - n:
+                return tokens[start + n:start + n + k]
+        return []
+
+
 class NgramProposer:
-    """HF's prompt lookup: `propose` over each row's prompt and new tokens."""
+    """HF's prompt lookup: `propose` over each row's prompt and new tokens (an NgramIndex a row)."""
+
+    runners = ()
 
     def __init__(self, prompts: list[list[int]], k: int, max_ngram: int):
         self.prompts, self.max_tokens, self.max_ngram = prompts, k, max_ngram
+        self.indexes: list[NgramIndex | None] = [None] * len(prompts)  # built at a row's first round
+        self.indexed = [0] * len(prompts)  # new tokens of each row in its index
 
     def propose(self, rows: list[int], out: list[list[int]], caps: list[int]) -> list[list[int]]:
-        return [propose(self.prompts[i] + out[i], min(self.max_tokens, cap), self.max_ngram)
-                for i, cap in zip(rows, caps)]
+        proposals = []
+        for i, cap in zip(rows, caps):
+            index = self.indexes[i]
+            if index is None:
+                index = self.indexes[i] = NgramIndex(self.max_ngram)
+                index.extend(self.prompts[i])
+            index.extend(out[i][self.indexed[i]:])
+            self.indexed[i] = len(out[i])
+            proposals.append(index.propose(min(self.max_tokens, cap)))
+        return proposals
 
     def accepted(self, rows: list[int], counts: list[int]) -> None:
         pass
 
 
 # Query widths a verification step is padded to when it runs as a CUDA graph (one graph per batch
-# bucket and width); wider feeds take their own width.
-VERIFY_WIDTHS = (1, 2, 3, 5, 9, 17, 33)
+# bucket and width, captured at its first use); wider feeds take their own width. Dense up to 8:
+# a batch-1 step of up to 8 tokens stays on the decode GEMV (ops.linear's 1-8 row kernels).
+VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 
 
 def verification_width(longest_feed: int) -> int:
@@ -140,13 +184,20 @@ def check_lookup(model: PreparedModel) -> None:
 
 def run_prompt_lookup(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]],
                       settings: LookupSettings, streamer, input_ids: torch.Tensor,
-                      proposer: Proposer | None = None) -> tuple[torch.Tensor, LookupStats]:
+                      proposer: Proposer | None = None, graphs: bool = False) -> tuple[torch.Tensor, LookupStats]:
     """The new tokens [B, N] (pad after a row's EOS, N <= max_new_tokens) of greedy decoding or
     sampling, and the call's LookupStats. input_ids [B, S]: the call's (for the streamer). The rows'
     sequences are added here and freed before returning (their full blocks stay in the prefix
-    cache); on an error the caller frees them."""
+    cache); on an error the caller frees them. graphs: the call's use_cuda_graphs resolved
+    (runner.cuda_graphs_wanted): verification steps and a draft's decode steps replay as graphs."""
     proposer = proposer or NgramProposer(prompts, settings.prompt_lookup_num_tokens,
                                          settings.max_matching_ngram_size)
+    with graph_steps((runner, *proposer.runners), graphs):
+        return _run_rounds(runner, seq_ids, prompts, settings, streamer, input_ids, proposer)
+
+
+def _run_rounds(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]], settings: LookupSettings,
+                streamer, input_ids: torch.Tensor, proposer: Proposer) -> tuple[torch.Tensor, LookupStats]:
     k = proposer.max_tokens
     max_new, min_new = settings.max_new_tokens, settings.min_new_tokens
     eos_ids, pad = settings.eos_token_ids, settings.pad_token_id
@@ -198,7 +249,7 @@ def _round(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]], ou
     if width:
         every = runner.run_rows_of(step, width)  # [rows * width, V]
         real = [r * width + j for r, f in enumerate(feeds) for j in range(len(f))]
-        logits = every.index_select(0, torch.tensor(real, device=every.device))  # [T, V]
+        logits = every.index_select(0, to_device(real, every.device))  # [T, V]
     else:
         logits = runner.run(step)  # [T, V]
     counts = [len(out[i]) + j for i, f in zip(rows, feeds) for j in range(len(f))]  # [T]
@@ -227,7 +278,8 @@ class _GreedyVerifier:
 
     def __call__(self, logits: torch.Tensor, proposals: list[list[int]], counts: list[int]
                  ) -> tuple[list[int], list[int]]:
-        greedy = self.sampler(logits, torch.tensor(counts, dtype=torch.int32, device=self.device)).tolist()
+        # counts from pinned memory: a copy from a Python list's pageable memory would wait for the step
+        greedy = self.sampler(logits, to_device(counts, self.device).int()).tolist()
         accepted, following, start = [], [], 0
         for proposal in proposals:
             best = greedy[start:start + len(proposal) + 1]

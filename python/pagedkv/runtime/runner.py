@@ -18,10 +18,11 @@ back yet takes it on the device (PendingTokens).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import torch
 from torch.profiler import record_function
@@ -58,9 +59,26 @@ def cuda_graphs_wanted(requested: bool | None, model: PreparedModel, caller: str
     return (device.type == "cuda" if requested is None else bool(requested)) and graphs_allowed(model)
 
 
-def verify_graphs_wanted() -> bool:
-    """Speculative verification steps captured as CUDA graphs (opt-in for now)."""
-    return os.environ.get("PAGEDKV_VERIFY_GRAPHS", "0") == "1"
+def verify_graphs_wanted(device: torch.device) -> bool:
+    """Speculative verification steps padded to one width and captured as CUDA graphs: on CUDA
+    (PAGEDKV_VERIFY_GRAPHS=0: eager, an A/B switch); on the CPU padding would only add work."""
+    return device.type == "cuda" and os.environ.get("PAGEDKV_VERIFY_GRAPHS", "1") != "0"
+
+
+@contextlib.contextmanager
+def graph_steps(runners: Iterable[ModelRunner], on: bool) -> Iterator[None]:
+    """Within: the runners' steps (decode steps of run(), run_rows_of's verification steps) replay
+    as CUDA graphs if `on` (and their model allows it); after, each runner as it was. generate()'s
+    runners run eagerly outside a call that wants them (its own decode graphs sample inside)."""
+    runners = list(runners)
+    saved = [r.use_cuda_graphs for r in runners]
+    for r in runners:
+        r.use_cuda_graphs = on and graphs_allowed(r.model)
+    try:
+        yield
+    finally:
+        for r, was in zip(runners, saved):
+            r.use_cuda_graphs = was
 
 
 def graphs_allowed(model: PreparedModel) -> bool:
@@ -187,9 +205,8 @@ class ModelRunner:
             self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
                                         tp=model.tp, rope=model.rope)
         self.use_cuda_graphs = use_cuda_graphs  # for run()'s decode steps
-        # run_rows_of()'s verification steps as graphs too: PAGEDKV_VERIFY_GRAPHS=1 until they have
-        # passed the CUDA tests (tests/test_prompt_lookup*.py) on a GPU.
-        self.verify_graphs = verify_graphs_wanted()
+        # run_rows_of()'s verification steps as graphs too (PAGEDKV_VERIFY_GRAPHS=0 runs them eagerly)
+        self.verify_graphs = verify_graphs_wanted(model.device)
         self.insist_graphs = insist_graphs  # generate() sets it per call (fixed_batch.py)
         self.graphs = CudaGraphs() if model.device.type == "cuda" else None
         if self.graphs is not None and model.tp is not None:
@@ -221,27 +238,27 @@ class ModelRunner:
 
     def run_rows_of(self, step: StepInput, width: int) -> torch.Tensor:
         """Logits [B * width, V] of a step whose B rows compute `width` tokens each (a speculative
-        verification step whose proposals the caller padded to one width), row after row. With
-        verification graphs on (verify_graphs_wanted) the step is padded to a batch bucket, its
-        padding rows of `width` tokens too, and replayed as a CUDA graph per (bucket, width): the
-        prefill attention's plan depends on shapes only (paged_prefill_attention_plan.h). Else
-        eager, like run(). The result may view a graph's output: read it before the next step."""
+        verification step whose proposals the caller padded to one width), row after row, each
+        token run as a decode row of its own (tokens_as_decode_rows). With verification graphs on
+        (verify_graphs_wanted) the step is padded to a batch bucket, its padding rows of `width`
+        tokens too, and replayed as a CUDA graph per (bucket, width). The result may view a
+        graph's output: read it before the next step."""
         num_rows = len(step.seq_ids)
-        if not (self.verify_graphs and self.use_cuda_graphs):
-            return self.run(dataclasses.replace(step, query_lens=[width] * num_rows))
-        padded = bucket(num_rows, self.max_batch)
+        graphs = self.verify_graphs and self.use_cuda_graphs
+        padded = bucket(num_rows, self.max_batch) if graphs else None
         meta = self.cache.build_metadata(step.seq_ids, [width] * num_rows, padded, pad_query_len=width)
-        fmeta = forward_metadata(meta)
         ids = host_tensor(step.token_ids + [0] * (meta.num_tokens - len(step.token_ids)), self.device)
         key = ("verify", padded, width)
-        captured = self.graphs.get(key)
-        if captured is None:
+        captured = self.graphs.get(key) if graphs else None
+        if graphs and captured is None:
             static_ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
             # The warm-up writes this step's K/V with token 0; the replay below rewrites them.
-            captured = capture_step(self, key, lambda: self.decoder.forward(static_ids, fmeta), buffers=static_ids)
+            captured = capture_step(self, key, lambda: self.decoder.forward(
+                static_ids, tokens_as_decode_rows(meta, width)), buffers=static_ids)
             if captured is None:  # a fallback model that cannot be captured: eager from now on
                 self.use_cuda_graphs = False
-                return self.run(dataclasses.replace(step, query_lens=[width] * num_rows))
+        if captured is None:
+            return self.decoder.forward(self._on_device(ids, None), tokens_as_decode_rows(meta, width))[:num_rows * width]
         captured.buffers.copy_(ids, non_blocking=True)
         return captured.replay()[:num_rows * width]
 
@@ -280,6 +297,19 @@ class ModelRunner:
         if pending is not None:
             pending.fill(step.buffers)
         return step.replay()
+
+
+def tokens_as_decode_rows(meta: StepMetadata, width: int) -> ForwardMetadata:
+    """A step whose rows compute `width` tokens each, as a decode step of one row per token:
+    token j of a row attends to its sequence's first position + 1 slots through its row's block
+    table (the step's earlier tokens included: every token's K/V is written before attention
+    reads). Decode attention's fixed cost a layer is well under prefill attention's for few-token
+    rows, which on a small model is most of a verification step. Padding tokens (slot -1) attend
+    to nothing. Device ops only, so a captured graph recomputes them from the step's metadata."""
+    rows = torch.arange(meta.positions.shape[0], device=meta.positions.device) // width  # [T]
+    context = torch.where(meta.slot_mapping >= 0, meta.positions + 1, 0).to(torch.int32)  # [T]
+    return ForwardMetadata(positions=meta.positions, slot_mapping=meta.slot_mapping,
+                           block_tables=meta.block_tables.index_select(0, rows), context_lens=context)
 
 
 def forward_metadata(meta: StepMetadata, decode: bool = False) -> ForwardMetadata:

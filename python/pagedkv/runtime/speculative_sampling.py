@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.runtime.runner import to_device
 from pagedkv.runtime.sampler import suppress_eos
 
 
@@ -75,7 +76,7 @@ def verify(probs: torch.Tensor, draft: torch.Tensor, lengths: list[int],
     number of proposed tokens accepted, the row's next token [B] int64: drawn from the residual
     at the first rejection, or from p_m when all were accepted)."""
     device = probs.device
-    count = torch.tensor(lengths, device=device)  # [B]
+    count = to_device(lengths, device)  # [B] (pinned: a pageable copy would wait for the step)
     row = torch.repeat_interleave(torch.arange(len(lengths), device=device), count)  # [T]
     starts = count.cumsum(0) - count  # [B]
     position = torch.arange(probs.shape[0], device=device) - starts[row]  # [T], j within the row
@@ -113,17 +114,16 @@ class SpeculativeSampler:
         before it. One host read-back."""
         logits = logits.float().clone()  # suppressed in place
         if self.min_new_tokens > 0:
-            generated = torch.tensor(counts, dtype=torch.int32, device=self.device)
+            generated = to_device(counts, self.device).int()
             suppress_eos(logits, self.eos_ids, generated, self.min_new_tokens)
         probs, drawable = warped_probs(logits, self.temperature, self.top_k, self.top_p)
         # position j of a row is followed by its proposal's token j (d_{j+1}), the last by none
-        draft = torch.tensor([t for p in proposals for t in p + [-1]], dtype=torch.int64,
-                             device=self.device).where(drawable, -1)  # [T]; none where no p_j
+        draft = to_device([t for p in proposals for t in p + [-1]], self.device).where(drawable, -1)  # [T]; none where no p_j
         lengths = [len(p) + 1 for p in proposals]
         accepted, tokens = verify(probs, draft, lengths, self.generator)
         # the position a row draws at has no distribution (NaN/inf logits; a draft is never
         # accepted at such a position, so none before it): ops.sample's -1, raised on
-        count = torch.tensor(lengths, device=self.device)
+        count = to_device(lengths, self.device)
         bad = ~drawable[count.cumsum(0) - count + accepted]
         accepted, tokens, bad = torch.stack([accepted, tokens, bad.long()]).tolist()
         if any(bad):
