@@ -206,6 +206,15 @@ void register_cache_bindings(py::module_& m) {
              self.truncate(sid, int_arg<int64_t>(num_tokens, "num_tokens", "[0, its length - 1]"));
            },
            py::arg("seq_id"), py::arg("num_tokens"))
+      .def("release_out_of_window",
+           [](CacheManager& self, py::handle seq_ids, py::handle window) {
+             const std::vector<int64_t> ids = read_ints<int64_t>(seq_ids, "seq_ids");
+             return self.release_out_of_window(ids, int_arg<int64_t>(window, "window", ">= 1"));
+           },
+           py::arg("seq_ids"), py::arg("window"))
+      .def("released_blocks",
+           [](const CacheManager& self, py::handle id) { return self.sequence(seq_id(id)).released; },
+           py::arg("seq_id"))
       .def("fork",
            [](CacheManager& self, py::handle parent, py::handle child) {
              const int64_t parent_id = seq_id(parent, "parent_id");

@@ -360,6 +360,13 @@ void CacheManager::truncate(int64_t seq_id, int64_t num_tokens) {
   }
   if (num_tokens == 0) return;
   const int64_t kept = seq.num_tokens - num_tokens;
+  if (seq.released > 0 && kept - seq.window < static_cast<int64_t>(seq.released) * block_size_) {
+    throw std::invalid_argument("pagedkv: cannot truncate sequence " + str(seq_id) + " to " + str(kept) +
+                                " tokens: the window (" + str(seq.window) + ") of its next token would "
+                                "reach its first " + str(seq.released) + " blocks, already released; "
+                                "allowed: keep at least " +
+                                str(static_cast<int64_t>(seq.released) * block_size_ + seq.window) + " tokens");
+  }
   const size_t kept_blocks = static_cast<size_t>(blocks_for(kept));
   for (size_t b = seq.blocks.size(); b-- > kept_blocks;) allocator_.release(seq.blocks[b], false);
   seq.blocks.resize(kept_blocks);
@@ -382,7 +389,7 @@ void CacheManager::fork(int64_t parent_id, int64_t child_id) {
   }
   Sequence child = parent;
   child.batch_mark = 0;
-  for (const int32_t block : child.blocks) allocator_.add_ref(block);
+  for (size_t b = child.released; b < child.blocks.size(); ++b) allocator_.add_ref(child.blocks[b]);
   sequences_.emplace(child_id, std::move(child));
 }
 
@@ -391,8 +398,42 @@ void CacheManager::free_sequence(int64_t seq_id, bool keep_cached) {
   if (it == sequences_.end()) throw UnknownSequence(seq_id);
   // Last block first: the LRU then evicts a freed prompt from its end, keeping the shared start.
   const std::vector<int32_t>& blocks = it->second.blocks;
-  for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) allocator_.release(*b, keep_cached);
+  const size_t released = static_cast<size_t>(it->second.released);  // given back already
+  for (size_t b = blocks.size(); b-- > released;) allocator_.release(blocks[b], keep_cached);
   sequences_.erase(it);
+}
+
+int64_t CacheManager::release_out_of_window(std::span<const int64_t> seq_ids, int64_t window) {
+  if (window < 1) {
+    throw std::invalid_argument("pagedkv: release_out_of_window: window = " + str(window) +
+                                " must be >= 1 (a model with a layer without a window releases nothing)");
+  }
+  const uint64_t mark = new_batch_mark();
+  for (const int64_t id : seq_ids) {
+    const Sequence& seq = batch_member(id, mark);
+    if (seq.named != seq.num_tokens) {
+      throw std::invalid_argument("pagedkv: release_out_of_window: sequence " + str(id) + " has " +
+                                  str(seq.num_tokens - seq.named) + " slots reserved without token ids "
+                                  "(reserve); their steps have not run, so its window is not known");
+    }
+  }
+  int64_t total = 0;
+  for (const int64_t id : seq_ids) {
+    Sequence& seq = find(id);
+    // Whole blocks only: block b holds positions [b * block_size, (b + 1) * block_size).
+    const int64_t before = seq.num_tokens - window;
+    const int32_t upto = before > 0 ? static_cast<int32_t>(before / block_size_) : 0;
+    if (upto <= seq.released) continue;
+    // Last first, as free_sequence: the LRU evicts a block after those before it.
+    for (int32_t b = upto; b-- > seq.released;) {
+      allocator_.release(seq.blocks[b]);
+      seq.blocks[b] = kReleasedBlock;
+    }
+    total += upto - seq.released;
+    seq.released = upto;
+    seq.window = window;
+  }
+  return total;
 }
 
 }  // namespace pagedkv

@@ -49,8 +49,18 @@ class CacheManager {
   // keeping at least one. Blocks left empty are released and leave the prefix cache (their K/V
   // may never have been written). A kept, partly emptied block keeps its K/V and its key until
   // the sequence writes into it again: then it leaves the prefix cache if the sequence holds it
-  // alone, else it is copied first (copy-on-write), as for any shared block.
+  // alone, else it is copied first (copy-on-write), as for any shared block. Refused where the
+  // next token's window would reach a block release_out_of_window gave back.
   void truncate(int64_t seq_id, int64_t num_tokens);
+  // Sliding windows: gives back each sequence's leading blocks whose every token lies before
+  // position num_tokens - window, which no token at a later position attends to when every layer
+  // of the model has a window of at most `window` (>= 1) tokens. Blocks go back as free_sequence
+  // gives them (a cached full block stays findable until evicted); the sequence keeps its length,
+  // positions and block-table length (released entries hold kReleasedBlock). Call it only while
+  // every slot of these sequences belongs to a step already queued on the device (the reads of a
+  // queued step come before a later step's writes to a reused block); a sequence with slots
+  // reserved without ids (reserve) is refused. All or nothing; returns the blocks released.
+  int64_t release_out_of_window(std::span<const int64_t> seq_ids, int64_t window);
   // A new sequence sharing all of the parent's blocks (and tokens) by reference count.
   void fork(int64_t parent_id, int64_t child_id);
   // Drops the sequence; its blocks go back (cached full blocks stay findable until evicted, unless

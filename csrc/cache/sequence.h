@@ -10,6 +10,9 @@ namespace pagedkv {
 
 // A token id in append_batch that reserves the slot of a token sampled but not read back yet.
 inline constexpr int32_t kPendingToken = -1;
+// The block-table entry of a released leading block: a valid block id (the CPU ops check every
+// entry a context covers) that attention never reads, since it starts at the window's first key.
+inline constexpr int32_t kReleasedBlock = 0;
 
 struct Sequence {
   std::vector<int32_t> blocks;       // block ids; token t lives in blocks[t / block_size]
@@ -29,6 +32,12 @@ struct Sequence {
   int32_t pending = 0;
   int64_t num_tokens = 0;            // tokens holding a slot, including ones not yet computed
   uint64_t batch_mark = 0;           // the last batch call that named it (catches duplicates)
+  // Leading blocks given back by release_out_of_window: every token in them lies before the
+  // sliding window of any token the sequence computes from then on. Their entries of `blocks`
+  // hold kReleasedBlock; `window` is the window they were released for (later steps' queries and
+  // truncate() must stay where that window does not reach them).
+  int32_t released = 0;
+  int64_t window = 0;
 
   uint64_t last_full_key() const { return full_keys.empty() ? kRootHash : full_keys.back(); }
 };

@@ -99,6 +99,13 @@ StepSizes build_step_metadata(CacheManager& manager, const StepLayout& layout,
                                   " new tokens (max_tokens " + str(layout.max_tokens) +
                                   " less padding rows); chunk the prefill or raise max_tokens");
     }
+    // A sequence that released its leading blocks: the step's first query must not see them.
+    const int64_t first_key = static_cast<int64_t>(len) - q - seq.window + 1;
+    if (seq.released > 0 && first_key < static_cast<int64_t>(seq.released) * manager.block_size()) {
+      throw std::invalid_argument("pagedkv: sequence " + str(seq_ids[i]) + " released its first " +
+                                  str(seq.released) + " blocks (window " + str(seq.window) +
+                                  "); a step of " + str(q) + " new tokens would attend to them");
+    }
     context_lens[i] = len;
     query_start_loc[i] = t;
     const int32_t* blocks = seq.blocks.data();

@@ -248,8 +248,11 @@ def _round(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]], ou
     step = StepInput([seq_ids[i] for i in rows], list(itertools.chain(*fed)), [len(f) for f in fed])
     if width:
         every = runner.run_rows_of(step, width)  # [rows * width, V]
-        real = [r * width + j for r, f in enumerate(feeds) for j in range(len(f))]
-        logits = every.index_select(0, to_device(real, every.device))  # [T, V]
+        if len(feeds) == 1:  # one row: its real positions lead (no index to copy, no kernel)
+            logits = every[:len(feeds[0])]  # [T, V]
+        else:
+            real = [r * width + j for r, f in enumerate(feeds) for j in range(len(f))]
+            logits = every.index_select(0, to_device(real, every.device))  # [T, V]
     else:
         logits = runner.run(step)  # [T, V]
     counts = [len(out[i]) + j for i, f in zip(rows, feeds) for j in range(len(f))]  # [T]
@@ -275,11 +278,13 @@ class _GreedyVerifier:
         self.sampler = Sampler(rows, device, min_new_tokens=min_new_tokens, eos_token_ids=eos_ids)
         self.sampler.fill(0.0, 0, 1.0)
         self.device = device
+        self.counted = self.sampler.min_new_tokens > 0  # the counts matter only to min_new_tokens
 
     def __call__(self, logits: torch.Tensor, proposals: list[list[int]], counts: list[int]
                  ) -> tuple[list[int], list[int]]:
         # counts from pinned memory: a copy from a Python list's pageable memory would wait for the step
-        greedy = self.sampler(logits, to_device(counts, self.device).int()).tolist()
+        generated = to_device(counts, self.device).int() if self.counted else None
+        greedy = self.sampler(logits, generated).tolist()
         accepted, following, start = [], [], 0
         for proposal in proposals:
             best = greedy[start:start + len(proposal) + 1]
