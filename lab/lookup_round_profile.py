@@ -7,7 +7,10 @@ device's remaining time), the verifier (sampler + the one read-back), and the re
 the sum is an upper bound of an unprofiled round; the plain greedy decode's ms per token, from
 the same run, is what a round must beat per accepted token.
 
-    python lab/lookup_round_profile.py [--prompts 6] [--k 10] [--ngram 2] [--max-new 256]
+    python lab/lookup_round_profile.py [--prompts 6] [--k 10] [--ngram 2] [--max-new 256] [--torch-profile]
+
+--torch-profile: then one more call under torch.profiler (no synchronize added), its ops by host
+(self CPU) time: which calls make up the host's share of a round.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--ngram", type=int, default=2)
     parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--torch-profile", action="store_true")
     args = parser.parse_args()
     model, tokenizer = load_default_model("cuda", torch.bfloat16)
     prompts = load_prompts(PROMPTS, tokenizer, args.prompts)
@@ -71,7 +75,8 @@ def main() -> None:
             plain_tokens += out.shape[1] - len(p)
         prompt_lookup._round = timed("round", prompt_lookup._round)
         prompt_lookup.NgramProposer.propose = timed("proposal", prompt_lookup.NgramProposer.propose)
-        ModelRunner.run_rows_of = timed("verification step launch", ModelRunner.run_rows_of, sync_after=True)
+        unwrapped = ModelRunner.run_rows_of
+        ModelRunner.run_rows_of = timed("verification step launch", unwrapped, sync_after=True)
         prompt_lookup._GreedyVerifier.__call__ = timed("verifier (sample + read-back)",
                                                       prompt_lookup._GreedyVerifier.__call__)
         rounds = tokens = 0
@@ -88,6 +93,14 @@ def main() -> None:
         print(f"  {name:40s} {ms:7.3f} ms / round")
     print(f"  {'rest of the round':40s} {per_round['round'] - parts:7.3f} ms / round")
     print(f"a round would need <= {tokens / rounds * 1e3 * plain_s / plain_tokens / 2:.3f} ms for 2x")
+    if args.torch_profile:
+        ModelRunner.run_rows_of = unwrapped
+        from torch.profiler import ProfilerActivity, profile
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            pagedkv.generate(model, torch.tensor([prompts[0]], device="cuda"), **greedy, **lookup)
+        rounds = prepared(model).fixed_batch.last_prompt_lookup.rounds
+        print(f"torch.profiler over one call ({rounds} rounds; totals, divide by the rounds):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if __name__ == "__main__":
