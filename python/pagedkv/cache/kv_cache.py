@@ -224,6 +224,23 @@ class KVCache:
         leaves it when the sequence next writes into it (or is copied first if shared)."""
         self.manager.truncate(seq_id, num_tokens)
 
+    def release_out_of_window(self, seq_ids: Sequence[int], window: int) -> int:
+        """Give back each sequence's leading blocks whose every token lies before position
+        ``seq_len - window``: no later token attends to them when every layer of the model has a
+        sliding window of at most ``window`` (>= 1) tokens. Call it only when all the sequences'
+        slots belong to steps already queued on the device, and never for a model with a layer
+        that sees the whole context. A cached full block stays in the prefix cache, as free()
+        leaves it. The sequence keeps its length and positions; the released entries of its
+        block table hold 0 (attention starts at the window, so never reads them), and truncate()
+        or a step that would reach them is refused. Returns the blocks released; ValueError
+        (nothing changed) for window < 1, a duplicate id, or a sequence with slots reserved
+        without ids (reserve)."""
+        return self.manager.release_out_of_window(seq_ids, window)
+
+    def released_blocks(self, seq_id: int) -> int:
+        """Leading blocks of the sequence that release_out_of_window gave back."""
+        return self.manager.released_blocks(seq_id)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """A new sequence sharing all of the parent's tokens and blocks (copy-on-write)."""
         self.manager.fork(parent_id, child_id)

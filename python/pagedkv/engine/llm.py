@@ -46,7 +46,7 @@ from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.speculation import check_request, decode_rows, speculation_for
 from pagedkv.engine.step_outputs import deliver, step_outputs
 from pagedkv.engine.watched import read_watched
-from pagedkv.models.registry import check_supported
+from pagedkv.models import registry, windows
 from pagedkv.runtime.model import check_unchanged, prepared
 from pagedkv.runtime.runner import ModelRunner, StepInput, cuda_graphs_wanted, overlap_wanted, to_device
 from pagedkv.runtime.sampler import Sampler
@@ -89,7 +89,7 @@ class LLM(BatchAPI):
                              f">= max_num_seqs ({max_num_seqs}): every running sequence decodes a "
                              "token per step")
         model, self.tokenizer = load_model(model, tokenizer, dtype)
-        check_supported(model)
+        registry.check_supported(model)
         self.model = model
         state = prepared(model)  # the weights, fused once and shared with generate()
         # Tensor parallel (pagedkv.tensor_parallel): every rank runs this engine on the same
@@ -123,7 +123,7 @@ class LLM(BatchAPI):
             assistant_model=assistant_model, num_assistant_tokens=num_assistant_tokens), overlap_steps, graphs,
             (max_num_seqs, max_num_batched_tokens, self.max_model_len))
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
-                                   self.speculation and self.speculation.propose)
+                                   self.speculation and self.speculation.propose, windows.every_layer_window(w))
         self.vocab_size = w.vocab_size
         eos = getattr(model.generation_config, "eos_token_id", None)  # generation_config may be None
         eos = model.config.eos_token_id if eos is None else eos

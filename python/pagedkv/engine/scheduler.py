@@ -1,6 +1,9 @@
 """Which sequences run in the next step, and how many new tokens each computes.
 
 Policy (one step, budget = max_num_batched_tokens new tokens, at most max_num_seqs sequences):
+0. A model whose every layer has a sliding window (models/windows.py every_layer_window): each
+   running sequence first gives back its leading blocks that no later token attends to, so the
+   steps below, admissions included, find them free.
 1. Decodes first: every running decoding sequence feeds its last token (one slot each, reserved
    in one all-or-nothing append). If the cache lacks blocks, the newest running sequence is
    preempted (its blocks freed; it goes back to the front of the waiting queue and is recomputed
@@ -65,8 +68,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 propose: Callable[[list[Sequence], int], dict[Sequence, list[int]]] | None = None):
+                 propose: Callable[[list[Sequence], int], dict[Sequence, list[int]]] | None = None,
+                 window: int = 0):
         self.cache = cache
+        # Every layer of the model attends through a window of at most `window` tokens (0: some
+        # layer sees the whole context): each step first gives back the blocks that fell out of it.
+        self.window = window
         self.propose = propose  # speculative decoding's proposals (engine/speculation.py), or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -85,6 +92,8 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.window:  # every slot in the cache is a launched step's: later steps start past it
+            self.cache.release_out_of_window([s.seq_id for s in self.running if s.in_cache], self.window)
         preempted: list[Sequence] = []
         decodes: list[Sequence] = []
         prefilling: list[Sequence] = []

@@ -33,6 +33,17 @@ def layer_windows(config) -> list[int]:
     return [0] * num_layers
 
 
+def every_layer_window(weights) -> int:
+    """The widest window of a native model whose every layer has one (the engine gives back the
+    blocks that fell out of it: KVCache.release_out_of_window), else 0: a layer sees the whole
+    context (Gemma-2/3, OLMo-3, Qwen2 below max_window_layers), or the model runs on the fallback
+    path, whose HF modules pass their windows per call."""
+    windows = getattr(weights, "windows", None)  # DecoderWeights; Gemma's and OLMo-2's per layer
+    if windows is None:
+        windows = [getattr(layer, "window", 0) for layer in weights.layers]  # fallback: layers of None
+    return max(windows) if windows and all(w > 0 for w in windows) else 0
+
+
 # Gemma's and OLMo-2's modeling attend every layer to the whole context (their configs may still
 # carry layer_types); Gemma-3's and OLMo-3's rotary takes the layer type: one table per type.
 FULL_ATTENTION_ONLY = ("gemma", "olmo2")
