@@ -14,9 +14,13 @@ its first L decoder layers (benchmarks/truncated_draft.py: no download), proposi
 tokens a round (num_assistant_tokens, schedule "constant"; HF's assistant_confidence_threshold set
 to 0 so HF's draft proposes as many as pagedkv's); results in bench_prompt_lookup_draft.md/.png.
 
-    python benchmarks/bench_prompt_lookup.py [--out DIR] [--k 10] [--ngram 2] [--max-new 256]
-                                             [--batch B] [--no-hf] [--small]
-                                             [--draft-layers [L]] [--draft-k 4]
+    python benchmarks/bench_prompt_lookup.py [--out DIR] [--k 10] [--also-k 4,7] [--ngram 2]
+                                             [--max-new 256] [--batch B] [--count N] [--no-hf]
+                                             [--small] [--draft-layers [L]] [--draft-k 4]
+
+--also-k: more pagedkv prompt-lookup rows at these k, in the same run (one model load, the same
+baseline; HF's prompt lookup runs at --k only); the goal line is --k's. --count N: the first N
+prompts only.
 
 tokens/s = new tokens (through each row's EOS) over the summed wall time of all prompts, one call
 per prompt group (B prompts, left-padded), systems interleaved per group so drift hits all alike;
@@ -105,6 +109,26 @@ def parting(model, prompt: list[int], plain: list[int], spec: list[int]) -> tupl
     return step, float(top2[0] - top2[1]), near
 
 
+def check_equal(model, prompts, plain: list[list[int]], spec: list[list[int]], dtype, name: str) -> bool:
+    """Prints and returns whether `name`'s tokens equal pagedkv's greedy ones, prompt for prompt:
+    exactly in fp32, up to near ties (each parting's gap printed) in bf16."""
+    differing = [i for i, (a, b) in enumerate(zip(plain, spec)) if a != b]
+    partings = [parting(model, prompts[i], plain[i], spec[i]) for i in differing]
+    for i, (step, gap, near) in zip(differing, partings):
+        print(f"{name}, prompt {i}: parts at new token {step}, top-2 gap {gap:.3f} in HF's logits: "
+              + ("a near tie" if near else "NOT a near tie"))
+    equal = not differing or (dtype != torch.float32 and all(near for _, _, near in partings))
+    if not differing:
+        print(f"PASS: {name} tokens equal pagedkv's greedy tokens on all {len(prompts)} prompts")
+    elif equal:
+        print(f"PASS: {name} tokens equal pagedkv's greedy tokens up to a near tie "
+              f"({len(differing)} of {len(prompts)} prompts part, each at a near tie)")
+    else:
+        print(f"FAIL: {name} tokens differ from pagedkv's greedy tokens on prompts {differing}"
+              + (" (fp32: must be equal)" if dtype == torch.float32 else " not at a near tie"))
+    return equal
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -114,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--k", type=int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument("--also-k", default="", help="more k values for pagedkv rows, comma-separated")
+    parser.add_argument("--count", type=int, default=None, help="the first N prompts")
     parser.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size")
     parser.add_argument("--max-new", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1)
@@ -131,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device == "cuda" else torch.float32
     max_new = 16 if args.small else args.max_new
     model, tokenizer = load_default_model(device, dtype)
-    prompts = load_prompts(args.prompts, tokenizer, 3 if args.small else None)
+    prompts = load_prompts(args.prompts, tokenizer, 3 if args.small else args.count)
     gen = model.generation_config
     eos = {gen.eos_token_id} if isinstance(gen.eos_token_id, int) else set(gen.eos_token_id or ())
     pad = gen.pad_token_id if gen.pad_token_id is not None else next(iter(eos))
@@ -150,6 +176,11 @@ def main(argv: list[str] | None = None) -> dict:
         PAGEDKV: lambda ids, mask: pagedkv.generate(model, ids, attention_mask=mask, **greedy),
         SPEC: lambda ids, mask: pagedkv.generate(model, ids, attention_mask=mask, **greedy, **spec),
     }
+    also = [] if drafted else [int(k) for k in args.also_k.split(",") if k.strip()]
+    for k in also:  # default arguments bind this k
+        systems[f"{PAGEDKV_PLD} (k {k})"] = lambda ids, mask, k=k: pagedkv.generate(
+            model, ids, attention_mask=mask, **greedy, prompt_lookup_num_tokens=k, max_matching_ngram_size=args.ngram)
+    ours_names = [SPEC] + [f"{PAGEDKV_PLD} (k {k})" for k in also]
     if not args.no_hf:
         systems[HF] = lambda ids, mask: model.generate(ids, attention_mask=mask, **greedy)
         if batch == 1:  # HF's assisted generation refuses batches > 1
@@ -157,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     seconds = dict.fromkeys(systems, 0.0)
     tokens = {name: [] for name in systems}  # per prompt, its new tokens
-    rounds = proposed = accepted = 0
+    looked = {name: [0, 0, 0] for name in ours_names}  # rounds, proposed, accepted
     with torch.inference_mode():
         warm_ids, warm_mask = left_padded(groups[0], pad, device)
         for generate in systems.values():
@@ -171,37 +202,25 @@ def main(argv: list[str] | None = None) -> dict:
                 sync(device)
                 seconds[name] += time.perf_counter() - start
                 tokens[name] += new_tokens(out, ids.shape[1], eos)
-                if name == SPEC:
+                if name in looked:
                     stats = prepared(model).fixed_batch.last_prompt_lookup
-                    rounds, proposed, accepted = (rounds + stats.rounds, proposed + stats.proposed,
-                                                  accepted + stats.accepted)
+                    for j, value in enumerate((stats.rounds, stats.proposed, stats.accepted)):
+                        looked[name][j] += value
+    rounds, proposed, accepted = looked[SPEC]
 
     # pagedkv's speculative tokens must be its greedy tokens, prompt for prompt
-    differing = [i for i, (a, b) in enumerate(zip(tokens[PAGEDKV], tokens[SPEC])) if a != b]
-    what = "assistant_model" if drafted else "prompt-lookup"
-    partings = [parting(model, prompts[i], tokens[PAGEDKV][i], tokens[SPEC][i]) for i in differing]
-    for i, (step, gap, near) in zip(differing, partings):
-        print(f"prompt {i}: parts at new token {step}, top-2 gap {gap:.3f} in HF's logits: "
-              + ("a near tie" if near else "NOT a near tie"))
-    equal = not differing or (dtype != torch.float32 and all(near for _, _, near in partings))
-    if not differing:
-        print(f"PASS: pagedkv {what} tokens equal pagedkv's greedy tokens on all {len(prompts)} prompts")
-    elif equal:
-        print(f"PASS: pagedkv {what} tokens equal pagedkv's greedy tokens up to a near tie "
-              f"({len(differing)} of {len(prompts)} prompts part, each at a near tie)")
-    else:
-        print(f"FAIL: pagedkv {what} tokens differ from pagedkv's greedy tokens on prompts {differing}"
-              + (" (fp32: must be equal)" if dtype == torch.float32 else " not at a near tie"))
+    equal = all([check_equal(model, prompts, tokens[PAGEDKV], tokens[name], dtype, f"{name}")
+                 for name in ours_names])
     counts = {name: sum(map(len, rows)) for name, rows in tokens.items()}
     speed = {name: counts[name] / seconds[name] for name in systems}
     first_tokens = len(tokens[SPEC])  # one per row, from the prefill
     rows = []
     for name in systems:
         same = sum(a == b for a, b in zip(tokens[name], tokens[PAGEDKV]))
-        ours = name == SPEC
+        n_rounds, n_proposed, n_accepted = looked.get(name, (0, 0, 0))
         rows.append([name, counts[name], seconds[name], speed[name], speed[name] / speed[PAGEDKV],
-                     f"{accepted / proposed:.3f}" if ours and proposed else ("n/a" if name == HF_SPEC else ""),
-                     f"{(counts[name] - first_tokens) / rounds:.2f}" if ours and rounds else "",
+                     f"{n_accepted / n_proposed:.3f}" if n_proposed else ("n/a" if name == HF_SPEC else ""),
+                     f"{(counts[name] - first_tokens) / n_rounds:.2f}" if n_rounds else "",
                      f"{same}/{len(prompts)}"])
     header = ["system", "new tokens", "seconds", "tokens/s", "speed-up vs pagedkv",
               "acceptance (accepted / proposed)", "new tokens / round", "prompts equal to pagedkv"]
@@ -233,8 +252,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         goals.append("goal: faster than HF's prompt lookup: n/a (" +
                      ("--no-hf" if args.no_hf else "HF's prompt lookup refuses batch > 1") + ")")
+    for name in ours_names[1:]:
+        print(f"{name}: {speed[name] / speed[PAGEDKV]:.2f}x pagedkv without speculation")
     for line in goals:
-        print(line + (" (batch 1 is the goal's setting)" if batch != 1 else ""))
+        print(line + (f" (k {args.k}; batch 1 is the goal's setting)" if batch != 1 else f" (k {args.k})"))
     return result
 
 

@@ -54,12 +54,13 @@ def test_prompt_set_is_input_grounded_and_sized(tokenizer):
 
 @pytest.mark.parametrize("extra, systems", [
     ([], ["pagedkv", "pagedkv prompt lookup", "HF generate", "HF prompt lookup"]),
-    (["--batch", "2", "--no-hf"], ["pagedkv", "pagedkv prompt lookup"]),
+    (["--batch", "2", "--no-hf", "--also-k", "4"], ["pagedkv", "pagedkv prompt lookup", "pagedkv prompt lookup (k 4)"]),
 ], ids=["batch1", "batch2"])
 def test_prompt_lookup_small_run(tokenizer, tmp_path, capsys, extra, systems):
     result = bench_prompt_lookup.main(["--small", "--out", str(tmp_path), *extra])
     printed = capsys.readouterr().out
-    assert result["equal"] and "PASS: pagedkv prompt-lookup tokens equal" in printed and "FAIL:" not in printed
+    assert result["equal"] and "FAIL:" not in printed
+    assert all(f"PASS: {name} tokens equal" in printed for name in systems if name.startswith("pagedkv prompt lookup"))
     assert 0 < result["accepted"] <= result["proposed"] and result["rounds"] > 0
     rows = table_rows(tmp_path / "bench_prompt_lookup.md")
     assert [r[0] for r in rows] == systems
