@@ -16,8 +16,8 @@ from __future__ import annotations
 from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, num_blocks_for
 from pagedkv.engine.request import Sequence
 from pagedkv.runtime.model import prepared
-from pagedkv.runtime.draft_model import check_draft
-from pagedkv.runtime.runner import ModelRunner, StepInput
+from pagedkv.runtime.draft_model import check_draft, greedy_step
+from pagedkv.runtime.runner import ModelRunner
 
 
 def shared_with_draft(model, draft, state, block_size: int, sizing: dict) -> dict:
@@ -96,12 +96,7 @@ class EngineDraft:
 
     def _greedy(self, feeds: list[tuple[Sequence, list[int]]]) -> list[int]:
         """One draft step over the rows' fed tokens: each row's argmax token after them."""
-        lens = [len(f) for _, f in feeds]
-        decode = all(n == 1 for n in lens)
-        last = None if decode else [sum(lens[:j + 1]) - 1 for j in range(len(lens))]
-        logits = self.runner.run(StepInput([s.seq_id for s, _ in feeds], [t for _, f in feeds for t in f],
-                                           None if decode else lens, last))  # [R, V]
-        return logits.argmax(-1).tolist()
+        return greedy_step(self.runner, [s.seq_id for s, _ in feeds], [f for _, f in feeds])
 
     def accepted(self, sid: int, count: int) -> None:
         """The target kept `count` leading tokens of the row's last proposal: the draft keeps as

@@ -20,7 +20,7 @@ import torch
 
 from pagedkv.engine.request import Sequence, Status
 from pagedkv.runtime.runner import to_device
-from pagedkv.runtime.speculative_sampling import residual, warped_probs
+from pagedkv.runtime.speculative_sampling import accept_rule, warped_probs
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -103,19 +103,11 @@ def sample_verify(spec: torch.Tensor, rows: VerifyRows, sampled: list[int]) -> t
 
 def seeded_verify(probs: torch.Tensor, draft: torch.Tensor, count: torch.Tensor, u: torch.Tensor,
                   last_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """speculative_sampling.verify with given uniforms: probs [T, V], draft [T] (-1 at each row's
-    last position), count [S] positions per row, u [T] the acceptance draws, last_u [S] float64 the
-    final draw (inverse CDF). Returns (accepted [S], next token [S], the position drawn at [S])."""
-    device, total, vocab = probs.device, probs.shape[0], probs.shape[1]
-    row = torch.repeat_interleave(torch.arange(count.shape[0], device=device), count)  # [T]
-    starts = count.cumsum(0) - count  # [S]
-    position = torch.arange(total, device=device) - starts[row]  # [T]
-    p_draft = probs.gather(-1, draft.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [T]
-    accept = (draft >= 0) & (u.to(probs.dtype) < p_draft)
-    accepted = torch.full_like(count, total).scatter_reduce(0, row, torch.where(accept, total, position), "amin")
-    at = starts + accepted  # [S]
-    dist, rejected = probs[at], draft[at]  # [S, V], [S]
-    dist = torch.where((rejected >= 0).unsqueeze(-1), residual(dist, rejected.clamp(min=0)), dist)
+    """speculative_sampling.accept_rule with given uniforms: probs [T, V], draft [T] (-1 at each
+    row's last position), count [S] positions per row, u [T] the acceptance draws, last_u [S]
+    float64 the final draw (inverse CDF). Returns (accepted [S], next token [S], the position drawn
+    at [S])."""
+    accepted, at, dist = accept_rule(probs, draft, count, u.to(probs.dtype))
     cdf = dist.double().cumsum(-1)  # [S, V]
     tokens = torch.searchsorted(cdf, (last_u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return accepted, tokens.clamp(max=vocab - 1), at
+    return accepted, tokens.clamp(max=probs.shape[1] - 1), at

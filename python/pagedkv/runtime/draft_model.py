@@ -19,6 +19,7 @@ it changes how many tokens are proposed, never the tokens generated.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Iterator
 
 import torch
@@ -65,6 +66,16 @@ def check_draft(target, draft) -> None:
     check_draft_state(prepared(draft))
 
 
+def greedy_step(runner: ModelRunner, seq_ids: list[int], feeds: list[list[int]]) -> list[int]:
+    """One draft step (generate()'s DraftProposer, the engine's EngineDraft): each sequence fed
+    its tokens, its greedy token after them; a decode step when every feed is one token."""
+    lens = [len(f) for f in feeds]
+    decode = all(n == 1 for n in lens)
+    last = None if decode else list(itertools.accumulate(lens, initial=-1))[1:]
+    logits = runner.run(StepInput(seq_ids, [t for f in feeds for t in f], None if decode else lens, last))  # [R, V]
+    return logits.argmax(-1).tolist()
+
+
 class DraftProposer:
     """prompt_lookup.Proposer over a draft model's runner; row i is draft sequence i."""
 
@@ -98,12 +109,7 @@ class DraftProposer:
             feeds.append((i, feed))
         limit = dict(zip(rows, caps))
         while feeds:
-            lens = [len(f) for _, f in feeds]
-            decode = all(n == 1 for n in lens)
-            last = None if decode else [sum(lens[:j + 1]) - 1 for j in range(len(lens))]
-            logits = self.runner.run(StepInput([i for i, _ in feeds], [t for _, f in feeds for t in f],
-                                               None if decode else lens, last))  # [R, V]
-            tokens = logits.argmax(-1).tolist()
+            tokens = greedy_step(self.runner, [i for i, _ in feeds], [f for _, f in feeds])
             stepped, feeds = [i for i, _ in feeds], []
             for i, token in zip(stepped, tokens):
                 self.proposals[i].append(token)

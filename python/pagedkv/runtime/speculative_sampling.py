@@ -75,24 +75,32 @@ def verify(probs: torch.Tensor, draft: torch.Tensor, lengths: list[int],
     proposed token after each position, -1 at each row's last. Returns (accepted [B] int64: the
     number of proposed tokens accepted, the row's next token [B] int64: drawn from the residual
     at the first rejection, or from p_m when all were accepted)."""
-    device = probs.device
-    count = to_device(lengths, device)  # [B] (pinned: a pageable copy would wait for the step)
-    row = torch.repeat_interleave(torch.arange(len(lengths), device=device), count)  # [T]
+    count = to_device(lengths, probs.device)  # [B] (pinned: a pageable copy would wait for the step)
+    u = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=probs.dtype)
+    accepted, _, dist = accept_rule(probs, draft, count, u)
+    tokens = torch.multinomial(dist, 1, generator=generator).squeeze(-1)  # [B]
+    return accepted, tokens
+
+
+def accept_rule(probs: torch.Tensor, draft: torch.Tensor, count: torch.Tensor, u: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The acceptance rule given its draws, shared by generate() (verify) and the engine
+    (engine/speculative_rows.py, its own draws): probs [T, V], draft [T] (-1 at each row's last
+    position), count [B] positions per row, u [T] acceptance draws in probs' dtype. Returns
+    (accepted [B], the position the next token is drawn at [B], its distribution [B, V]: the
+    residual at the first rejection, else p_m)."""
+    device, total = probs.device, probs.shape[0]
+    row = torch.repeat_interleave(torch.arange(count.shape[0], device=device), count)  # [T]
     starts = count.cumsum(0) - count  # [B]
-    position = torch.arange(probs.shape[0], device=device) - starts[row]  # [T], j within the row
-    proposed = draft >= 0
+    position = torch.arange(total, device=device) - starts[row]  # [T], j within the row
     p_draft = probs.gather(-1, draft.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [T]
-    u = torch.rand(probs.shape[0], generator=generator, device=device, dtype=probs.dtype)
-    accept = proposed & (u < p_draft)
+    accept = (draft >= 0) & (u < p_draft)
     # the first position not accepted (each row's last one is not: no draft there)
-    accepted = torch.full_like(count, probs.shape[0]).scatter_reduce(
-        0, row, torch.where(accept, probs.shape[0], position), "amin")  # [B]
+    accepted = torch.full_like(count, total).scatter_reduce(0, row, torch.where(accept, total, position), "amin")
     at = starts + accepted  # [B]
     dist, rejected_draft = probs[at], draft[at]  # [B, V], [B]
     rejected = (rejected_draft >= 0).unsqueeze(-1)
-    dist = torch.where(rejected, residual(dist, rejected_draft.clamp(min=0)), dist)
-    tokens = torch.multinomial(dist, 1, generator=generator).squeeze(-1)  # [B]
-    return accepted, tokens
+    return accepted, at, torch.where(rejected, residual(dist, rejected_draft.clamp(min=0)), dist)
 
 
 class SpeculativeSampler:
