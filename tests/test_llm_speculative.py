@@ -197,3 +197,30 @@ def test_a_draft_cache_shares_the_memory_budget():
     plain = LLM(model, kv_cache_memory=budget)
     assert plain.cache.num_blocks > target_cache.num_blocks
     assert LLM(model, num_kv_blocks=40, assistant_model=truncated(model)).cache.num_blocks == 40
+
+
+def test_lookup_index_proposes_what_the_scan_does():
+    """The engine's prompt lookup reads a per-sequence NgramIndex (no scan of every row's tokens
+    each step): the proposals of prompt_lookup.propose as the sequence grows, after its tokens are
+    cut (a stop string) too; the index goes when the sequence stops running."""
+    import random
+    import types
+
+    from pagedkv.engine.speculation import Speculation
+    from pagedkv.runtime.prompt_lookup import propose
+
+    spec = Speculation(4, 2, None, None, 8, torch.device("cpu"))
+    rng = random.Random(0)
+    seqs = {n: types.SimpleNamespace(seq_id=n, token_ids=[rng.randrange(4) for _ in range(5)]) for n in (2, 3)}
+    for step in range(40):
+        for n, seq in seqs.items():  # sequence n looks up n-grams of up to n tokens
+            assert spec._lookup(seq, 4, n) == propose(seq.token_ids, 4, n), (step, seq.token_ids, n)
+            assert spec.indexes[n].tokens == seq.token_ids  # what it indexes is the sequence now
+            if step in (20, 30):  # watched.py cuts a stop string's tokens; others may follow
+                cut = seq.token_ids[-3:]
+                del seq.token_ids[-3:]
+                seq.token_ids += [(t + 1) % 4 for t in cut]  # as many, each another token
+            seq.token_ids += [rng.randrange(4) for _ in range(rng.randint(1, 3))]
+    assert set(spec.indexes) == {2, 3}
+    spec.release([])
+    assert spec.indexes == {}
