@@ -278,12 +278,12 @@ class _GreedyVerifier:
         self.sampler = Sampler(rows, device, min_new_tokens=min_new_tokens, eos_token_ids=eos_ids)
         self.sampler.fill(0.0, 0, 1.0)
         self.device = device
-        self.counted = self.sampler.min_new_tokens > 0  # the counts matter only to min_new_tokens
 
     def __call__(self, logits: torch.Tensor, proposals: list[list[int]], counts: list[int]
                  ) -> tuple[list[int], list[int]]:
         # counts from pinned memory: a copy from a Python list's pageable memory would wait for the step
-        generated = to_device(counts, self.device).int() if self.counted else None
+        # the counts matter only to min_new_tokens' EOS suppression
+        generated = to_device(counts, self.device).int() if self.sampler.min_new_tokens > 0 else None
         greedy = self.sampler(logits, generated).tolist()
         accepted, following, start = [], [], 0
         for proposal in proposals:
