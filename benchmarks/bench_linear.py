@@ -2,7 +2,7 @@
 weight-streaming kernel against F.linear (cuBLAS, what HF runs) in the same run, bf16, for 1 and
 8 rows. Weights are rotated among copies totalling > 4x the L2 so each call reads from memory.
 
-    python benchmarks/bench_linear.py [--out DIR]
+    python benchmarks/bench_linear.py [--out DIR] [--rows 1,2,4,8]
 Prints and saves bench_linear.md/.png: microseconds, GB/s of weight bytes, % of copy bandwidth.
 """
 
@@ -34,13 +34,16 @@ ROWS = [1, 2, 4, 8]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)),
+                        help="rows of x, comma-separated (9-16: speculative verification steps)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear.py needs a CUDA GPU (it measures memory bandwidth)")
     device, dtype = "cuda", torch.bfloat16
     copy_gbs = copy_bandwidth_gbs(device)
     rows_out, totals = [], {}
-    for (name, (n, k, with_bias)), m in itertools.product(SHAPES.items(), ROWS):
+    row_counts = [int(r) for r in args.rows.split(",")]
+    for (name, (n, k, with_bias)), m in itertools.product(SHAPES.items(), row_counts):
         nbytes = n * k * 2
         weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies_past_l2(nbytes, device))]
         bias = torch.randn(n, device=device, dtype=dtype) if with_bias else None
@@ -66,8 +69,8 @@ def main() -> None:
     title = (f"decode GEMV, bf16, {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s "
              f"(read + write)")
     save_table(args.out, "bench_linear", title, markdown_table(header, rows_out))
-    single = [r for r in rows_out if r[1] == 1 and not str(r[0]).startswith("all")]
-    save_bar_plot(args.out, "bench_linear", title + ", 1 row", [r[0].split()[0] for r in single],
+    single = [r for r in rows_out if r[1] == row_counts[0] and not str(r[0]).startswith("all")]
+    save_bar_plot(args.out, "bench_linear", title + f", {row_counts[0]} row(s)", [r[0].split()[0] for r in single],
                   {"cuBLAS": [r[4] for r in single], "pagedkv": [r[5] for r in single]}, "GB/s of weights")
 
 

@@ -79,6 +79,15 @@ if [ -d .whl/build ]; then
     --upgrade "scikit-build-core>=0.11" || echo "gpu_check: .whl/build did not install"
 fi
 start=$(date +%s)
+# A warm machine keeps the last call's build folder, and the tree copied over keeps the files' own
+# modification times: a source changed back (a patch applied in one call, not in the next) is then
+# older than its object and ninja would not rebuild it. Touch every source whose content differs
+# from what the last build here was made of.
+mkdir -p build
+find csrc CMakeLists.txt pyproject.toml -type f -print0 | sort -z | xargs -0 sha1sum > build/gpu-sources.now
+if [ -f build/gpu-sources.built ]; then
+  diff build/gpu-sources.built build/gpu-sources.now | awk '/^> /{print $3}' | xargs -r touch
+fi
 # A build folder of its own: a CMake cache configured with another compiler would be reused.
 if ! "$PY" -m pip install --no-build-isolation --no-deps --quiet --disable-pip-version-check \
     -Cbuild-dir="build/gpu-{wheel_tag}" .; then
@@ -87,6 +96,7 @@ if ! "$PY" -m pip install --no-build-isolation --no-deps --quiet --disable-pip-v
 fi
 info=$(cd /tmp && "$PY" -c "import pagedkv; print(pagedkv.build_info)")
 scripts/source_stamp.sh > build/gpu-source.stamp  # what the installed build is of: gpu_sanitize.sh
+mv build/gpu-sources.now build/gpu-sources.built
 echo "built in $(( $(date +%s) - start )) s: $info"
 { echo "# gpu_check $(date -u +%FT%TZ)"; echo; echo "- device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"; echo "- build: $info"; } > "$SUMMARY"
 

@@ -12,10 +12,11 @@ from pagedkv import ops
 from tolerance import assert_close_to_baseline
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ROWS = [1, 2, 3, 8, 9, 33]  # CUDA: 1-2 CUDA cores, 3-8 tensor cores, beyond cuBLAS
+# CUDA: 1-2 CUDA cores, 3-8 tensor cores, 9-16 tensor cores for matrices < 4 MiB, beyond cuBLAS
+ROWS = [1, 2, 3, 8, 9, 16, 17, 33]
 SHAPES = [(64, 64), (200, 1024), (4608, 3584), (129, 18944)]  # (n, k)
 MMA_DTYPES = [torch.float16, torch.bfloat16]
-MMA_ROWS = list(range(3, 9))
+MMA_ROWS = list(range(3, 17))  # one n-tile to 8 rows, two to 16
 # W1's qkv and o; n not a multiple of the 16-row tile with k not a multiple of the 32-wide slice;
 # k of 41 whole slices (2 pipelined steps of 16, 9 more, one partial) and k under one step.
 MMA_SHAPES = [(4608, 3584), (3584, 3584), (37, 3592), (200, 1048), (45, 1320), (24, 200)]
@@ -165,7 +166,7 @@ def reference_gate_up_silu(x, gate_up):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 12])  # 12: the tensor-core kernel's second n-tile
 @pytest.mark.parametrize("i, k", [(64, 64), (1000, 256), (18944, 3584)])
 def test_gate_up_silu(device, dtype, rows, i, k):
     if device == "cpu" and i * k > 1 << 20:

@@ -14,11 +14,13 @@ namespace {
 enum class Path { kGemv, kGemvMma, kCublas };
 
 // The weight-streaming kernels take 16-bit x with 16-byte rows: <= kGemvMaxRows rows on CUDA
-// cores, <= kGemvMmaMaxRows on tensor cores.
+// cores, <= kGemvMmaMaxRows on tensor cores (past one n-tile only for small matrices).
 Path gemv_path(const at::Tensor& x2, const at::Tensor& weight) {
   const bool fits = x2.element_size() == 2 && x2.size(1) % 8 == 0 && x2.stride(0) % 8 == 0 &&
                     aligned16(x2.data_ptr()) && aligned16(weight.data_ptr());
-  if (!fits || x2.size(0) > kernels::kGemvMmaMaxRows) return Path::kCublas;
+  const bool wide = x2.size(0) > kernels::kGemvMmaTileRows &&
+                    weight.numel() * weight.element_size() >= kernels::kGemvMmaWideBytes;
+  if (!fits || wide || x2.size(0) > kernels::kGemvMmaMaxRows) return Path::kCublas;
   return x2.size(0) <= kernels::kGemvMaxRows ? Path::kGemv : Path::kGemvMma;
 }
 

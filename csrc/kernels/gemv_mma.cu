@@ -1,5 +1,6 @@
 // Skinny GEMM for 3..kGemvMmaMaxRows rows of x on tensor cores: out^T[n, m] = W[n, k] x^T with
-// mma.sync.m16n8k16 (A = 16 weight rows x 16 k, B = 16 k x 8 rows of x zero-padded, C fp32).
+// mma.sync.m16n8k16 (A = 16 weight rows x 16 k, B = 16 k x 8 rows of x zero-padded, C fp32);
+// past 8 rows a second n-tile (rows 8-15) reuses each A fragment: one weight read, two mmas.
 // Weight streaming without shared memory: a dot product's k order is free, so each lane loads
 // 16 contiguous bytes of its two weight rows and the fragments are filled in load order; x's B
 // fragment uses the same k permutation, which makes it 16 contiguous bytes of one x row too.
@@ -72,12 +73,12 @@ __device__ __forceinline__ void mma_slice(float (&c)[4], const uint4& lo, const 
 // them: the last step of one tile issues the loads of the next tile's first step, so the
 // reduction and the stores of a tile overlap memory reads, and no CTA starts from an empty pipe
 // (with one tile per CTA, every CTA of every wave waited a full memory round trip first).
-template <typename T, int kAcc>
+template <typename T, int kAcc, int kNT>
 __global__ void __launch_bounds__(kSplit * 32)
     gemv_mma_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                     const T* __restrict__ weight, const T* __restrict__ bias, int m, int n, int k) {
   begin_dependent_kernel();
-  __shared__ float partial[kSplit - 1][kAcc][4][32];
+  __shared__ float partial[kSplit - 1][kAcc][kNT][4][32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int g = lane / 4;
@@ -96,17 +97,24 @@ __global__ void __launch_bounds__(kSplit * 32)
   };
   // Lanes of x rows past m read row 0 and zero it with a mask: a select, not a branch, so the
   // compiler keeps every load of an unrolled step ahead of the mmas.
-  const uint32_t x_mask = g < m ? ~0u : 0u;
-  const T* x_ptr = x + static_cast<int64_t>(g < m ? g : 0) * x_stride + 8 * t;
-  auto load_x = [&](int s) -> uint4 {
-    uint4 v = *reinterpret_cast<const uint4*>(x_ptr + s);
-    return make_uint4(v.x & x_mask, v.y & x_mask, v.z & x_mask, v.w & x_mask);
+  // n-tile nt holds x rows 8 nt .. 8 nt + 7; this lane's is row 8 nt + g.
+  uint32_t x_mask[kNT];
+  const T* x_ptr[kNT];
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    const int row = 8 * nt + g;
+    x_mask[nt] = row < m ? ~0u : 0u;
+    x_ptr[nt] = x + static_cast<int64_t>(row < m ? row : 0) * x_stride + 8 * t;
+  }
+  auto load_x = [&](int nt, int s) -> uint4 {
+    uint4 v = *reinterpret_cast<const uint4*>(x_ptr[nt] + s);
+    return make_uint4(v.x & x_mask[nt], v.y & x_mask[nt], v.z & x_mask[nt], v.w & x_mask[nt]);
   };
 
   const int full = k / kSlice;  // whole slices; a partial one (8, 16 or 24 k) may follow
   constexpr int kStep = kSplit * kUnroll;  // slices per CTA step; warp w takes kUnroll of them
   const int steps = full / kStep;
-  uint4 lo[kUnroll][kAcc], hi[kUnroll][kAcc], xv[kUnroll];
+  uint4 lo[kUnroll][kAcc], hi[kUnroll][kAcc], xv[kUnroll][kNT];
   auto load = [&](const T* const (&w_lo)[kAcc], const T* const (&w_hi)[kAcc], int step) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -116,7 +124,8 @@ __global__ void __launch_bounds__(kSplit * 32)
         lo[u][a] = load_streaming(w_lo[a] + s);
         hi[u][a] = load_streaming(w_hi[a] + s);
       }
-      xv[u] = load_x(s);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) xv[u][nt] = load_x(nt, s);
     }
   };
 
@@ -131,11 +140,13 @@ __global__ void __launch_bounds__(kSplit * 32)
   for (; tile < tiles; tile += gridDim.x) {
     const int next_tile = tile + gridDim.x;
 
-    float c[kAcc][4];
+    float c[kAcc][kNT][4];
 #pragma unroll
     for (int a = 0; a < kAcc; ++a)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) c[a][i] = 0.f;
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[a][nt][i] = 0.f;
 
     // Main loop, software-pipelined by hand: the loads of the next step (or of the next tile's
     // first) are issued before the mmas of the current one (ptxas otherwise sinks each load
@@ -143,10 +154,11 @@ __global__ void __launch_bounds__(kSplit * 32)
     // L2 hit) instead of branching.
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
-      uint4 lo_c[kUnroll][kAcc], hi_c[kUnroll][kAcc], xv_c[kUnroll];
+      uint4 lo_c[kUnroll][kAcc], hi_c[kUnroll][kAcc], xv_c[kUnroll][kNT];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        xv_c[u] = xv[u];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) xv_c[u][nt] = xv[u][nt];
 #pragma unroll
         for (int a = 0; a < kAcc; ++a) {
           lo_c[u][a] = lo[u][a];
@@ -164,7 +176,9 @@ __global__ void __launch_bounds__(kSplit * 32)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-        for (int a = 0; a < kAcc; ++a) mma_slice<T>(c[a], lo_c[u][a], hi_c[u][a], xv_c[u]);
+        for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) mma_slice<T>(c[a][nt], lo_c[u][a], hi_c[u][a], xv_c[u][nt]);
     }
     const T* w_lo[kAcc];
     const T* w_hi[kAcc];
@@ -173,12 +187,15 @@ __global__ void __launch_bounds__(kSplit * 32)
       const int s = sl * kSlice;
       const bool in = s + 8 * t < k;  // k % 8 == 0: a lane's 8 elements are all in or all out
       const uint4 zero = make_uint4(0, 0, 0, 0);
-      const uint4 x_s = in ? load_x(s) : zero;
+      uint4 x_s[kNT];
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) x_s[nt] = in ? load_x(nt, s) : zero;
 #pragma unroll
       for (int a = 0; a < kAcc; ++a) {
         const uint4 w_l = in ? load_streaming(w_lo[a] + s) : zero;
         const uint4 w_h = in ? load_streaming(w_hi[a] + s) : zero;
-        mma_slice<T>(c[a], w_l, w_h, x_s);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) mma_slice<T>(c[a][nt], w_l, w_h, x_s[nt]);
       }
     }
 
@@ -186,7 +203,9 @@ __global__ void __launch_bounds__(kSplit * 32)
 #pragma unroll
       for (int a = 0; a < kAcc; ++a)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) partial[warp - 1][a][i][lane] = c[a][i];
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) partial[warp - 1][a][nt][i][lane] = c[a][nt][i];
     }
     __syncthreads();
     if (warp == 0) {
@@ -195,33 +214,38 @@ __global__ void __launch_bounds__(kSplit * 32)
 #pragma unroll
         for (int a = 0; a < kAcc; ++a)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) c[a][i] += partial[w][a][i][lane];
+          for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[a][nt][i] += partial[w][a][nt][i][lane];
 
-      // c[a][2h + e] = out^T[16 tile + g + 8h][2t + e]: that output column, x row 2t + e.
+      // c[a][nt][2h + e] = out^T[16 tile + g + 8h][8 nt + 2t + e]: that output column, x row
+      // 8 nt + 2t + e.
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int col = tile * 16 + g + 8 * h;
-        if (col >= n) continue;
+      for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = 2 * t + e;
-          if (i >= m) continue;
-          T* dst = out + static_cast<int64_t>(i) * n + col;
-          if constexpr (kAcc == 2) {
-            *dst = silu_mul(from_float<T>(c[0][2 * h + e]), from_float<T>(c[1][2 * h + e]));
-          } else {
-            const float b = bias == nullptr ? 0.f : to_float(bias[col]);
-            *dst = from_float<T>(c[0][2 * h + e] + b);
+        for (int h = 0; h < 2; ++h) {
+          const int col = tile * 16 + g + 8 * h;
+          if (col >= n) continue;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int i = 8 * nt + 2 * t + e;
+            if (i >= m) continue;
+            T* dst = out + static_cast<int64_t>(i) * n + col;
+            if constexpr (kAcc == 2) {
+              *dst = silu_mul(from_float<T>(c[0][nt][2 * h + e]), from_float<T>(c[1][nt][2 * h + e]));
+            } else {
+              const float b = bias == nullptr ? 0.f : to_float(bias[col]);
+              *dst = from_float<T>(c[0][nt][2 * h + e] + b);
+            }
           }
         }
-      }
     }
     __syncthreads();  // `partial` is rewritten for the next tile
   }
 }
 
-// CTAs of gemv_mma_kernel<T, kAcc> resident on the whole GPU (occupancy times SMs), per device.
-template <typename T, int kAcc>
+// CTAs of gemv_mma_kernel<T, kAcc, kNT> resident on the whole GPU (occupancy times SMs), per device.
+template <typename T, int kAcc, int kNT>
 int resident_ctas() {
   static int cached[64] = {};
   int device = 0;
@@ -229,7 +253,7 @@ int resident_ctas() {
   if (cached[device] == 0) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_mma_kernel<T, kAcc>, kSplit * 32, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_mma_kernel<T, kAcc, kNT>, kSplit * 32, 0);
     cached[device] = std::max(1, sms * per_sm);
   }
   return cached[device];
@@ -237,9 +261,9 @@ int resident_ctas() {
 
 // Tiles per CTA as even as the resident CTAs allow: ceil(tiles / resident) each, the grid the
 // fewest CTAs that cover the tiles that way.
-template <typename T, int kAcc>
+template <typename T, int kAcc, int kNT>
 int persistent_grid(int tiles) {
-  const int resident = resident_ctas<T, kAcc>();
+  const int resident = resident_ctas<T, kAcc, kNT>();
   if (resident <= 0 || tiles <= resident) return tiles;
   const int per_cta = (tiles + resident - 1) / resident;
   return (tiles + per_cta - 1) / per_cta;
@@ -262,10 +286,19 @@ cudaError_t gemv_mma(void* out, const void* x, int64_t x_stride, const void* wei
       auto* w = static_cast<const T*>(weight);
       auto* b = static_cast<const T*>(bias);
       const int tiles = (n + 15) / 16;
-      if (silu_mul) {
-        launch_dependent(gemv_mma_kernel<T, 2>, persistent_grid<T, 2>(tiles), kSplit * 32, 0, stream, o, xs, x_stride, w, nullptr, m, n, k);
+      // One n-tile up to 8 rows (the kernel as it was), two past 8.
+      const auto launch = [&](auto nt_tag) {
+        constexpr int kNT = decltype(nt_tag)::value;
+        if (silu_mul) {
+          launch_dependent(gemv_mma_kernel<T, 2, kNT>, persistent_grid<T, 2, kNT>(tiles), kSplit * 32, 0, stream, o, xs, x_stride, w, nullptr, m, n, k);
+        } else {
+          launch_dependent(gemv_mma_kernel<T, 1, kNT>, persistent_grid<T, 1, kNT>(tiles), kSplit * 32, 0, stream, o, xs, x_stride, w, b, m, n, k);
+        }
+      };
+      if (m <= 8) {
+        launch(std::integral_constant<int, 1>{});
       } else {
-        launch_dependent(gemv_mma_kernel<T, 1>, persistent_grid<T, 1>(tiles), kSplit * 32, 0, stream, o, xs, x_stride, w, b, m, n, k);
+        launch(std::integral_constant<int, 2>{});
       }
       return cudaGetLastError();
     }
