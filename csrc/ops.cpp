@@ -60,6 +60,20 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("advance_decode_rows(Tensor next_tokens, Tensor(a!) tokens, Tensor(b!) positions, "
         "Tensor(c!) context_lens, Tensor(d!) generated, Tensor(e!) offsets, "
         "Tensor(f!) slot_mapping, Tensor block_tables, int block_size) -> ()");
+  // Prompt lookup kept on the device (csrc/kernels/lookup_round_rule.h): each live row's feed of
+  // width = feed.shape[1] tokens (its last token, up to min(k, width - 1, max_new - generated - 1)
+  // tokens that followed the first earlier match of its last n <= max_ngram tokens, filler) with
+  // positions, slots and contexts through block_tables; then, after the verification forward,
+  // accept the proposal's prefix that greedy repeats, append what is emitted (cut after an EOS
+  // and at max_new) to history, and update lengths, generated, done and stats [rows, 3].
+  // max_new [rows] int64: each row's max_new_tokens (a tensor: one captured round serves any).
+  m.def("lookup_propose(Tensor history, Tensor lengths, Tensor generated, Tensor done, "
+        "Tensor block_tables, Tensor(a!) feed, Tensor(b!) proposal_lens, Tensor(c!) positions, "
+        "Tensor(d!) slot_mapping, Tensor(e!) context_lens, Tensor max_new, int k, int max_ngram, "
+        "int block_size) -> ()");
+  m.def("lookup_accept(Tensor greedy, Tensor feed, Tensor proposal_lens, Tensor eos_ids, "
+        "Tensor(a!) history, Tensor(b!) lengths, Tensor(c!) generated, Tensor(d!) done, "
+        "Tensor(e!) stats, Tensor max_new) -> ()");
 
   // Prefill/chunked-prefill attention: sequence b's new tokens are q rows [qsl[b], qsl[b+1]), the
   // last of its context_lens[b] tokens (already in the cache); each attends causally through

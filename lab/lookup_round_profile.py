@@ -1,16 +1,11 @@
-"""Where a prompt-lookup round's time goes (issue 34): generate(prompt_lookup_num_tokens=k) on the
-real SmolLM2-135M-Instruct over the first --prompts input-grounded prompts, each part of
-runtime/prompt_lookup.py's round timed on the host: the proposal, the verification step's launch
-(ModelRunner.run_rows_of until it returns) and its device tail (a synchronize after it: the
-device's remaining time), the verifier (sampler + the one read-back), and the rest of the round
-(cache appends and truncates, bookkeeping). The synchronize adds no work but ends any overlap, so
-the sum is an upper bound of an unprofiled round; the plain greedy decode's ms per token, from
-the same run, is what a round must beat per accepted token.
+"""Where a greedy prompt-lookup round's device time goes (issue 34): generate() on the real
+SmolLM2-135M-Instruct over the first --prompts input-grounded prompts, under torch.profiler, once
+without speculation and once per --ks with prompt_lookup_num_tokens=k (runtime/lookup_rounds.py:
+each round one CUDA graph). Prints, per kernel name, device microseconds per decode step
+(without) and per round (with), and the wall time of each: a round must cost less than the new
+tokens it gives times a decode step.
 
-    python lab/lookup_round_profile.py [--prompts 6] [--k 10] [--ngram 2] [--max-new 256] [--torch-profile]
-
---torch-profile: then one more call under torch.profiler (no synchronize added), its ops by host
-(self CPU) time: which calls make up the host's share of a round.
+    python lab/lookup_round_profile.py [--prompts 4] [--ks 4,10] [--ngram 2] [--max-new 256] [--rows 18]
 """
 
 from __future__ import annotations
@@ -22,85 +17,81 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_prompt_lookup import PROMPTS, load_prompts  # noqa: E402
 
 import pagedkv  # noqa: E402
-from pagedkv.runtime import prompt_lookup  # noqa: E402
 from pagedkv.runtime.model import prepared  # noqa: E402
-from pagedkv.runtime.runner import ModelRunner  # noqa: E402
 from pagedkv.tools.default_model import load_default_model  # noqa: E402
 
-SECONDS: collections.Counter = collections.Counter()
+
+def short_name(name: str) -> str:
+    """A kernel's function name without namespaces, template arguments and parameters."""
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+    for cut in ("<", "("):
+        name = name.split(cut)[0]
+    return name.split("::")[-1][:60] or name[:60]
 
 
-def timed(name: str, function, sync_after: bool = False):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        out = function(*args, **kwargs)
-        launched = time.perf_counter()
-        SECONDS[name] += launched - start
-        if sync_after:
-            torch.cuda.synchronize()
-            SECONDS[name + " (device tail)"] += time.perf_counter() - launched
-        return out
-    return wrapper
+def kernel_us(prof) -> collections.Counter:
+    """Device microseconds by kernel name (shortened) over the profiled calls."""
+    totals: collections.Counter = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            totals[short_name(event.name)] += event.device_time
+    return totals
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--k", type=int, default=10)
-    parser.add_argument("--ngram", type=int, default=2)
-    parser.add_argument("--max-new", type=int, default=256)
-    parser.add_argument("--torch-profile", action="store_true")
-    args = parser.parse_args()
-    model, tokenizer = load_default_model("cuda", torch.bfloat16)
-    prompts = load_prompts(PROMPTS, tokenizer, args.prompts)
-    greedy = dict(max_new_tokens=args.max_new, do_sample=False)
-    lookup = dict(prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.ngram)
-    with torch.inference_mode():
-        for ids in (torch.tensor([p], device="cuda") for p in prompts[:1]):  # warm-up: graphs
-            pagedkv.generate(model, ids, **greedy)
-            pagedkv.generate(model, ids, **greedy, **lookup)
-        plain_s = plain_tokens = 0.0
+def run(model, prompts, kwargs) -> tuple[float, int, int, collections.Counter]:
+    """(wall seconds, new tokens, steps or rounds, kernel microseconds) over the prompts."""
+    seconds = tokens = steps = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for p in prompts:
             ids = torch.tensor([p], device="cuda")
             torch.cuda.synchronize()
             start = time.perf_counter()
-            out = pagedkv.generate(model, ids, **greedy)
+            out = pagedkv.generate(model, ids, **kwargs)
             torch.cuda.synchronize()
-            plain_s += time.perf_counter() - start
-            plain_tokens += out.shape[1] - len(p)
-        prompt_lookup._round = timed("round", prompt_lookup._round)
-        prompt_lookup.NgramProposer.propose = timed("proposal", prompt_lookup.NgramProposer.propose)
-        unwrapped = ModelRunner.run_rows_of
-        ModelRunner.run_rows_of = timed("verification step launch", unwrapped, sync_after=True)
-        prompt_lookup._GreedyVerifier.__call__ = timed("verifier (sample + read-back)",
-                                                      prompt_lookup._GreedyVerifier.__call__)
-        rounds = tokens = 0
-        for p in prompts:
-            out = pagedkv.generate(model, torch.tensor([p], device="cuda"), **greedy, **lookup)
+            seconds += time.perf_counter() - start
+            new = out.shape[1] - len(p)
+            tokens += new
             stats = prepared(model).fixed_batch.last_prompt_lookup
-            rounds += stats.rounds
-            tokens += out.shape[1] - len(p)
-    per_round = {name: 1e3 * s / rounds for name, s in SECONDS.items()}
-    parts = sum(v for n, v in per_round.items() if n != "round")
-    print(f"plain greedy decode: {1e3 * plain_s / plain_tokens:.3f} ms per token ({plain_tokens:.0f} tokens)")
-    print(f"prompt lookup: {rounds} rounds, {tokens / rounds:.2f} new tokens a round (k {args.k}, n {args.ngram})")
-    for name, ms in sorted(per_round.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:40s} {ms:7.3f} ms / round")
-    print(f"  {'rest of the round':40s} {per_round['round'] - parts:7.3f} ms / round")
-    print(f"a round would need <= {tokens / rounds * 1e3 * plain_s / plain_tokens / 2:.3f} ms for 2x")
-    if args.torch_profile:
-        ModelRunner.run_rows_of = unwrapped
-        from torch.profiler import ProfilerActivity, profile
-        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            pagedkv.generate(model, torch.tensor([prompts[0]], device="cuda"), **greedy, **lookup)
-        rounds = prepared(model).fixed_batch.last_prompt_lookup.rounds
-        print(f"torch.profiler over one call ({rounds} rounds; totals, divide by the rounds):")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+            steps += stats.rounds if "prompt_lookup_num_tokens" in kwargs else new - 1
+    return seconds, tokens, steps, kernel_us(prof)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--ks", default="4,10")
+    parser.add_argument("--ngram", type=int, default=2)
+    parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=18, help="kernel rows printed")
+    args = parser.parse_args()
+    model, tokenizer = load_default_model("cuda", torch.bfloat16)
+    prompts = load_prompts(PROMPTS, tokenizer, args.prompts)
+    greedy = dict(max_new_tokens=args.max_new, do_sample=False)
+    systems = {"decode": greedy}
+    for k in map(int, args.ks.split(",")):
+        systems[f"k {k}"] = dict(greedy, prompt_lookup_num_tokens=k, max_matching_ngram_size=args.ngram)
+    with torch.inference_mode():
+        for kwargs in systems.values():  # warm-up: graphs captured
+            pagedkv.generate(model, torch.tensor([prompts[0]], device="cuda"), **kwargs)
+        results = {name: run(model, prompts, kwargs) for name, kwargs in systems.items()}
+    base_wall = results["decode"][0] / results["decode"][2]
+    for name, (seconds, tokens, steps, kernels) in results.items():
+        wall = seconds / steps
+        busy = sum(kernels.values()) / steps
+        print(f"{name}: {steps} steps/rounds, {tokens} new tokens ({tokens / steps:.2f} a step), "
+              f"wall {1e3 * wall:.3f} ms a step ({wall / base_wall:.2f}x a decode step), "
+              f"kernels {busy / 1e3:.3f} ms a step, speed-up {base_wall * tokens / steps / wall:.2f}x")
+    names = [n for n, _ in (results["decode"][3] + sum((r[3] for n, r in results.items() if n != "decode"),
+                                                       collections.Counter())).most_common(args.rows)]
+    print("\nkernel us per step / round: " + " | ".join(results))
+    for n in names:
+        print(f"{n:60s} " + " | ".join(f"{r[3][n] / r[2]:8.1f}" for r in results.values()))
 
 
 if __name__ == "__main__":

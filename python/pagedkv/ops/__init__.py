@@ -32,6 +32,7 @@ from pagedkv.ops.cache import (  # noqa: F401
     copy_blocks,
     rope_and_write_kv,
 )
+from pagedkv.ops.lookup import _lookup_accept_fake, _lookup_propose_fake, lookup_accept, lookup_propose  # noqa: F401
 from pagedkv.ops.matmul import _gate_up_silu_fake, _linear_fake, gate_up_silu, linear  # noqa: F401
 from pagedkv.ops.norm import (  # noqa: F401
     _fused_add_rms_norm_fake,

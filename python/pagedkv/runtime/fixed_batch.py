@@ -4,8 +4,9 @@ generation's slots are reserved after them, and each decode step
 (forward, logits processing, sampling, and the advance of positions and slots) runs on the device
 with no host work, replayed as one CUDA graph per batch bucket and settings.
 
-The host keeps one decode step queued ahead of it: it reads back step t's tokens (the only sync)
-while step t+1 runs, so finished rows are seen one step late and that spare step is discarded.
+The host keeps one decode step queued ahead of it (runtime/decode_read_back.py). Greedy prompt
+lookup runs its rounds on the device too (runtime/lookup_rounds.py); sampling and draft models
+verify in rounds read back on the host (runtime/prompt_lookup.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from torch.profiler import record_function
 
 from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, free_memory_bytes
 from pagedkv.layers.rotary import crossing_reason
+from pagedkv.runtime.decode_read_back import read_back
 from pagedkv.runtime.decode_state import DecodeState
 from pagedkv.runtime.fast_processors import FastProcessors
 from pagedkv.runtime.logits_step import LogitsStep
+from pagedkv.runtime.lookup_rounds import DeviceLookup
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.parallel import call_digest
 from pagedkv.runtime.prefix_reuse import keep_rows
@@ -121,6 +124,7 @@ class FixedBatch:
         self.kv_dtype = model.dtype  # the cache's: generate()'s kv_cache_dtype, set per call
         self.kv_scales: list[tuple[float, float]] | None = None  # an fp8 cache's (cache/kv_dtype.py)
         self.last_prompt_lookup: LookupStats | None = None  # the last prompt-lookup call's counts
+        self._lookup = DeviceLookup()  # greedy prompt lookup's captured rounds
 
     def note_weights(self, version: int) -> None:
         """Drop the cached K/V when the weights were written in place since the last call
@@ -162,12 +166,16 @@ class FixedBatch:
         runner.cache.free_all(keep_cached=False)
         seq_ids = list(range(len(prompts) * n))
         try:
-            if lookup:  # verification steps (graphs: run_rows_of's); its rows are freed by it
+            if lookup and (proposer is not None or settings.do_sample):  # rounds read back; rows freed there
                 new_tokens, self.last_prompt_lookup = run_prompt_lookup(runner, seq_ids, prompts, settings,
                                                                         streamer, input_ids, proposer, graphs)
                 return new_tokens
-            new_tokens = self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs,
-                                   decode_loop, base)  # [B * n, N]
+            if lookup:  # greedy prompt lookup: rounds on the device (runtime/lookup_rounds.py)
+                new_tokens, self.last_prompt_lookup = self._lookup.run(runner, seq_ids, prompts, settings,
+                                                                       streamer, input_ids, graphs)
+            else:
+                new_tokens = self._run(runner, seq_ids, prompts, input_ids, settings, streamer, graphs,
+                                       decode_loop, base)  # [B * n, N]
             keep_rows(runner.cache, seq_ids, new_tokens, settings.eos_token_ids)
         except BaseException:
             runner.cache.free_all(keep_cached=False)  # blocks whose K/V may never have been written
@@ -201,6 +209,7 @@ class FixedBatch:
         # The old cache and its graphs go before the new cache is allocated (the buffers first:
         # interrupted between the two, the old runner stays whole).
         self._buffers.clear()
+        self._lookup.clear()
         runner = self.runner = None
         cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
                         device=model.device, block_size=spec.block_size, num_blocks=num_blocks,
@@ -341,60 +350,5 @@ class FixedBatch:
             logits = torch.cat([logits, logits.new_zeros(rows - batch, logits.shape[1])])
         first = sampler(logits, state.generated, state.seen, first=True)
         state.advance(first, sampler.offsets)
-        return _read_back(replay, first, sampler.next_tokens, rows, batch, max_new, settings,
+        return read_back(replay, first, sampler.next_tokens, rows, batch, max_new, settings,
                           streamer, input_ids, self.model.device)
-
-
-def _read_back(replay, first: torch.Tensor, next_tokens: torch.Tensor, rows: int, batch: int,
-               max_new: int, settings: GenerationSettings, streamer, input_ids: torch.Tensor,
-               device: torch.device) -> torch.Tensor:
-    """Runs the decode steps, one queued ahead of the host's read-back; returns [B, N]."""
-    pinned = device.type == "cuda"
-    tokens_host = torch.empty(max_new, rows, dtype=torch.int64, pin_memory=pinned)
-    ready: list[torch.cuda.Event | None] = []
-
-    def fetch(step: int, tokens: torch.Tensor) -> None:
-        tokens_host[step].copy_(tokens, non_blocking=pinned)
-        event = torch.cuda.Event() if pinned else None
-        if event is not None:
-            event.record()
-        ready.append(event)
-
-    fetch(0, first)
-    eos = torch.tensor(settings.eos_token_ids, dtype=torch.int64)
-    pad = settings.pad_token_id
-    finished = torch.zeros(batch, dtype=torch.bool)
-    produced: list[torch.Tensor] = []
-    launched = 1
-    try:  # the streamer gets end() however the loop ends, so that its reader is released
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        while len(produced) < launched:
-            if launched < max_new:  # keep one step queued while the host reads the last
-                replay()
-                fetch(launched, next_tokens)
-                launched += 1
-            step = len(produced)
-            if ready[step] is not None:
-                ready[step].synchronize()
-            tokens = tokens_host[step, :batch].clone()
-            if settings.do_sample and bool((tokens < 0).any()):  # -1: NaN/inf logits (ops.sample)
-                raise RuntimeError(f"pagedkv.generate: row(s) {(tokens < 0).nonzero().flatten().tolist()} "
-                                   f"of the batch have NaN or infinite logits at new token {step + 1}, so "
-                                   "do_sample=True has no distribution to draw from (HF's generate raises "
-                                   "too: probability tensor contains either inf, nan or element < 0)")
-            if pad is not None:
-                tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
-            if len(eos):
-                finished |= torch.isin(tokens, eos)
-            produced.append(tokens)
-            if streamer is not None:
-                streamer.put(tokens)
-            if bool(finished.all()):
-                break
-    finally:
-        if streamer is not None:
-            streamer.end()
-        if pinned:
-            torch.cuda.current_stream().synchronize()  # no step left writing the cache
-    return torch.stack(produced, dim=1).to(device)

@@ -1,0 +1,267 @@
+"""Greedy prompt lookup with every round on the device: generate()'s path for
+prompt_lookup_num_tokens with do_sample=False (sampling and draft models take
+runtime/prompt_lookup.py's rounds, which read each round's tokens back to the host).
+
+A round is one fixed sequence of device work, replayed as one CUDA graph on CUDA:
+  1. ops.lookup_propose: each live row's feed of `width` tokens (its last token, up to k tokens
+     that followed the first earlier occurrence of its last n tokens, filler) and the metadata of
+     one decode row per fed token (positions, slots, context = position + 1);
+  2. the model's forward over those rows (each token attends to its row's cache up to itself:
+     runner.tokens_as_decode_rows' layout, the block tables expanded once per call);
+  3. the greedy token at every position (the decode step's Sampler: min_new_tokens counted per
+     position);
+  4. ops.lookup_accept: the longest agreeing prefix of the proposal plus the next greedy token
+     appended to the row's history, cut at EOS and max_new_tokens; done rows stop.
+The tokens are therefore those of non-speculative greedy decoding. Rejected positions' K/V stay
+in the reserved slots and are written again by the next round before anything reads them (a
+round starts at the row's last emitted token; attention reads up to each token's own position).
+
+The host only replays rounds and reads back each round's done flags, one round behind (the device
+always has the next round queued): when every row is done it stops, so at most one round past the
+end runs (all rows done: it writes nothing). Every row's blocks are reserved up front, as for
+generate()'s decode steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from pagedkv import ops
+from pagedkv.layers.attention import ForwardMetadata
+from pagedkv.runtime.prompt_lookup import LookupSettings, LookupStats, verification_width
+from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, capture_step
+from pagedkv.runtime.sampler import Sampler
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundKey:
+    """What a captured round bakes in besides its buffers."""
+
+    rows: int  # the batch bucket
+    width: int  # fed tokens a row and round
+    max_blocks: int  # block-table width; history holds max_blocks * block_size tokens
+    k: int
+    max_ngram: int
+    min_new: int
+    eos_ids: tuple[int, ...]
+
+
+class RoundState:
+    """The device buffers one captured round reads and writes (R rows, W = width, L history)."""
+
+    def __init__(self, key: RoundKey, block_size: int, device: torch.device):
+        rows, width, length = key.rows, key.width, key.max_blocks * block_size
+        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        self.history = torch.zeros(rows, length, **i64)  # [R, L]: prompt, then emitted tokens
+        self.lengths = torch.zeros(rows, **i64)  # [R]: tokens in history
+        self.generated = torch.zeros(rows, **i64)  # [R]: emitted tokens
+        self.max_new = torch.zeros(rows, **i64)  # [R]: the call's max_new_tokens
+        self.done = torch.ones(rows, dtype=torch.bool, device=device)  # [R]: padding rows stay done
+        self.stats = torch.zeros(rows, 3, **i64)  # [R, 3]: rounds, proposed, accepted
+        self.block_tables = torch.zeros(rows, key.max_blocks, **i32)  # [R, MB]
+        self.token_tables = torch.zeros(rows * width, key.max_blocks, **i32)  # [R * W, MB]: a row's per token
+        self.feed = torch.zeros(rows, width, **i64)  # [R, W]
+        self.proposal_lens = torch.zeros(rows, **i64)  # [R]
+        self.positions = torch.zeros(rows * width, **i32)  # [R * W]
+        self.slot_mapping = torch.full((rows * width,), -1, **i32)  # [R * W]
+        self.context_lens = torch.zeros(rows * width, **i32)  # [R * W]
+        self.steps = torch.arange(width, **i64)  # [W]: 0 .. W - 1
+        self.eos_ids = torch.tensor(key.eos_ids, **i64)  # [E]
+
+    def start(self, prompts: list[list[int]], first: list[int], tables: list[list[int]],
+              max_new: int, eos_ids: tuple[int, ...]) -> None:
+        """Rows after their prefill: history = prompt + its first token (fed by the first round).
+        Written in place (a captured round reads these buffers)."""
+        batch, length = len(prompts), self.history.shape[1]
+        history = torch.zeros(batch, length, dtype=torch.int64)
+        table = torch.zeros(batch, self.block_tables.shape[1], dtype=torch.int32)
+        for b, (prompt, token, blocks) in enumerate(zip(prompts, first, tables)):
+            history[b, :len(prompt) + 1] = torch.tensor(prompt + [token])
+            table[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.history.zero_()
+        self.history[:batch].copy_(history)
+        self.block_tables.zero_()
+        self.block_tables[:batch].copy_(table)
+        width = self.feed.shape[1]
+        self.token_tables.copy_(self.block_tables.repeat_interleave(width, dim=0))
+        self.lengths.zero_()
+        self.lengths[:batch].copy_(torch.tensor([len(p) + 1 for p in prompts]))
+        self.generated.zero_()
+        self.generated[:batch].fill_(1)
+        self.max_new.fill_(max_new)
+        self.done.fill_(True)
+        self.done[:batch].copy_(torch.tensor([t in eos_ids or max_new == 1 for t in first]))
+        self.stats.zero_()
+
+    def metadata(self) -> ForwardMetadata:
+        return ForwardMetadata(positions=self.positions, slot_mapping=self.slot_mapping,
+                               block_tables=self.token_tables, context_lens=self.context_lens)
+
+
+class DeviceLookup:
+    """generate()'s greedy prompt lookup on one FixedBatch's runner: rounds captured per RoundKey,
+    each with its buffers (a graph is replayed only with the buffers it captured)."""
+
+    def __init__(self) -> None:
+        self._rounds: dict[RoundKey, tuple[object, RoundState, Sampler]] = {}
+
+    def clear(self) -> None:
+        self._rounds.clear()
+
+    def run(self, runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]],
+            settings: LookupSettings, streamer, input_ids: torch.Tensor,
+            graphs: bool) -> tuple[torch.Tensor, LookupStats]:
+        """The new tokens [B, N] (pad after a row's EOS) and the call's LookupStats. The rows'
+        sequences are added here, their generation's slots reserved; the caller frees them
+        (prefix_reuse.keep_rows), also on an error."""
+        cache, device = runner.cache, runner.device
+        k, max_new = settings.prompt_lookup_num_tokens, settings.max_new_tokens
+        eos_ids = settings.eos_token_ids
+        batch = len(seq_ids)
+        cached = [cache.add_sequence(sid, p) for sid, p in zip(seq_ids, prompts)]
+        query = [len(p) - c for p, c in zip(prompts, cached)]  # [B]
+        last = list(itertools.accumulate(query, initial=-1))[1:]
+        tokens = list(itertools.chain.from_iterable(p[c:] for p, c in zip(prompts, cached)))
+        logits = runner.run(StepInput(seq_ids, tokens, query, last))  # [B, V]
+        for sid in seq_ids:
+            cache.reserve(sid, max_new)
+        tables = [cache.block_table(sid) for sid in seq_ids]
+        max_blocks = 1 << (max(map(len, tables)) - 1).bit_length()  # calls of similar lengths share a graph
+        key = RoundKey(bucket(batch) if graphs else batch, verification_width(k + 1), max_blocks, k,
+                       settings.max_matching_ngram_size, settings.min_new_tokens, eos_ids)
+        replay, state, sampler = self._round(runner, key, graphs)
+        zero = torch.zeros(batch, dtype=torch.int32, device=device)
+        first = sampler(logits, zero).tolist()  # the prompts' greedy tokens (one read-back)
+        state.start(prompts, first, tables, max_new, eos_ids)
+        _read_back(replay, state, batch, device, streamer, input_ids, prompts, settings.pad_token_id)
+        return _finish(state, prompts, settings.pad_token_id)
+
+    def _round(self, runner: ModelRunner, key: RoundKey, graphs: bool):
+        """(replay, state, sampler) for key; replay() runs one round on the device."""
+        held = self._rounds.get(key) if graphs else None
+        if held is not None:
+            return held
+        block_size = runner.cache.block_size
+        state = RoundState(key, block_size, runner.device)
+        sampler = Sampler(key.rows * key.width, runner.device, min_new_tokens=key.min_new,
+                          eos_token_ids=key.eos_ids)
+        sampler.fill(0.0, 0, 1.0)
+        suppress = sampler.min_new_tokens > 0
+
+        def one_round() -> None:
+            ops.lookup_propose(state.history, state.lengths, state.generated, state.done,
+                               state.block_tables, state.feed, state.proposal_lens, state.positions,
+                               state.slot_mapping, state.context_lens, state.max_new, key.k,
+                               key.max_ngram, block_size)
+            logits = runner.decoder.forward(state.feed.view(-1), state.metadata())  # [R * W, V]
+            # tokens a row had emitted before each position (min_new_tokens' EOS suppression)
+            before = (state.generated.unsqueeze(1) + state.steps).view(-1).int() if suppress else None
+            greedy = sampler(logits, before)  # [R * W]
+            ops.lookup_accept(greedy, state.feed, state.proposal_lens, state.eos_ids, state.history,
+                              state.lengths, state.generated, state.done, state.stats, state.max_new)
+
+        if not graphs:
+            return one_round, state, sampler
+        # Captured with every row done (the state's start): the warm-up run writes no K/V and
+        # changes no row, only scratch buffers.
+        captured = capture_step(runner, ("lookup", key), one_round)
+        if captured is None:  # a fallback model's step that cannot be captured: eager
+            return one_round, state, sampler
+        self._rounds[key] = (captured.replay, state, sampler)
+        return captured.replay, state, sampler
+
+
+def _read_back(replay, state: RoundState, batch: int, device: torch.device, streamer,
+               input_ids: torch.Tensor, prompts: list[list[int]], pad: int | None) -> None:
+    """Replays rounds until every row is done, reading each round's done flags back one round
+    behind (the only host sync; with a streamer, the rows' tokens too)."""
+    cuda = device.type == "cuda"
+    slots = [_Readback(batch, state.history.shape[1], cuda, streamer is not None) for _ in range(2)]
+    stream = _Stream(streamer, input_ids, prompts, pad)
+    try:  # the streamer gets end() however the loop ends, so that its reader is released
+        for launched in itertools.count():
+            if launched == 0 and bool(state.done[:batch].all()):
+                break
+            replay()
+            slots[launched % 2].take(state, batch)
+            if launched == 0:
+                continue
+            previous = slots[(launched - 1) % 2]  # the round before: the device runs this one meanwhile
+            previous.wait()
+            stream.send(previous)
+            if bool(previous.done.all()):
+                break
+        if streamer is not None:  # what the last rounds emitted
+            if cuda:
+                torch.cuda.current_stream().synchronize()
+            last = _Readback(batch, state.history.shape[1], False, True)
+            last.take(state, batch)
+            stream.send(last)
+    finally:
+        if cuda:
+            torch.cuda.current_stream().synchronize()  # no round left writing the cache
+        if streamer is not None:
+            streamer.end()
+
+
+class _Readback:
+    """Host copies of one round's done flags (and, for a streamer, emitted counts and histories),
+    pinned on CUDA, and the event after them."""
+
+    def __init__(self, batch: int, length: int, cuda: bool, tokens: bool):
+        self.done = torch.empty(batch, dtype=torch.bool, pin_memory=cuda)  # [B]
+        self.generated = torch.empty(batch, dtype=torch.int64, pin_memory=cuda) if tokens else None  # [B]
+        self.history = torch.empty(batch, length, dtype=torch.int64, pin_memory=cuda) if tokens else None  # [B, L]
+        self.event = torch.cuda.Event() if cuda else None
+
+    def take(self, state: RoundState, batch: int) -> None:
+        """Queue the copies behind the rounds launched so far."""
+        cuda = self.event is not None
+        self.done.copy_(state.done[:batch], non_blocking=cuda)
+        if self.history is not None:
+            self.generated.copy_(state.generated[:batch], non_blocking=cuda)
+            self.history.copy_(state.history[:batch], non_blocking=cuda)
+        if cuda:
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def _finish(state: RoundState, prompts: list[list[int]], pad: int | None) -> tuple[torch.Tensor, LookupStats]:
+    """The rows' new tokens [B, N] (N = the longest row's; pad after a shorter row's end) and
+    the call's stats, from the state after its last round."""
+    batch = len(prompts)
+    generated = state.generated[:batch].tolist()
+    width = max(generated)
+    history = state.history[:batch].cpu()
+    filler = 0 if pad is None else pad  # pad is None only without EOS ids: every row is full
+    out = torch.full((batch, width), filler, dtype=torch.int64)
+    for b, (prompt, n) in enumerate(zip(prompts, generated)):
+        out[b, :n] = history[b, len(prompt):len(prompt) + n]
+    rounds, proposed, accepted = state.stats[:batch].cpu().unbind(1)
+    stats = LookupStats(int(rounds.max()), int(proposed.sum()), int(accepted.sum()))
+    return out.to(state.history.device), stats
+
+
+class _Stream:
+    """A streamer gets what a decode step gives it: the prompts, then one column of the batch's
+    tokens per new token (pad for rows already finished), each as soon as every row has it."""
+
+    def __init__(self, streamer, input_ids: torch.Tensor, prompts: list[list[int]], pad: int | None):
+        self.streamer, self.prompts, self.pad, self.sent = streamer, prompts, pad, 0
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+    def send(self, copy: _Readback) -> None:
+        if self.streamer is None:
+            return
+        counts, done = copy.generated.tolist(), copy.done.tolist()
+        while self.sent < max(counts) and all(c > self.sent or d for c, d in zip(counts, done)):
+            self.streamer.put(torch.tensor([int(copy.history[b, len(p) + self.sent]) if counts[b] > self.sent
+                                            else self.pad for b, p in enumerate(self.prompts)]))
+            self.sent += 1
