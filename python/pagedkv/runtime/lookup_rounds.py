@@ -8,8 +8,8 @@ A round is one fixed sequence of device work, replayed as one CUDA graph on CUDA
      one decode row per fed token (positions, slots, context = position + 1);
   2. the model's forward over those rows (each token attends to its row's cache up to itself:
      runner.tokens_as_decode_rows' layout, the block tables expanded once per call);
-  3. the greedy token at every position (the decode step's Sampler: min_new_tokens counted per
-     position);
+  3. the greedy token at every position (argmax, which is what the decode step's Sampler takes;
+     with min_new_tokens the Sampler itself, EOS suppression counted per position);
   4. ops.lookup_accept: the longest agreeing prefix of the proposal plus the next greedy token
      appended to the row's history, cut at EOS and max_new_tokens; done rows stop.
 The tokens are therefore those of non-speculative greedy decoding. Rejected positions' K/V stay
@@ -31,7 +31,7 @@ import torch
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata
-from pagedkv.runtime.prompt_lookup import LookupSettings, LookupStats, verification_width
+from pagedkv.runtime.prompt_lookup import LookupSettings, LookupStats
 from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, capture_step
 from pagedkv.runtime.sampler import Sampler
 
@@ -130,7 +130,8 @@ class DeviceLookup:
             cache.reserve(sid, max_new)
         tables = [cache.block_table(sid) for sid in seq_ids]
         max_blocks = 1 << (max(map(len, tables)) - 1).bit_length()  # calls of similar lengths share a graph
-        key = RoundKey(bucket(batch) if graphs else batch, verification_width(k + 1), max_blocks, k,
+        # k + 1 tokens a row: one graph per k, so no padding to runtime/prompt_lookup's widths
+        key = RoundKey(bucket(batch) if graphs else batch, k + 1, max_blocks, k,
                        settings.max_matching_ngram_size, settings.min_new_tokens, eos_ids)
         replay, state, sampler = self._round(runner, key, graphs)
         zero = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -157,9 +158,10 @@ class DeviceLookup:
                                state.slot_mapping, state.context_lens, state.max_new, key.k,
                                key.max_ngram, block_size)
             logits = runner.decoder.forward(state.feed.view(-1), state.metadata())  # [R * W, V]
-            # tokens a row had emitted before each position (min_new_tokens' EOS suppression)
-            before = (state.generated.unsqueeze(1) + state.steps).view(-1).int() if suppress else None
-            greedy = sampler(logits, before)  # [R * W]
+            if suppress:  # tokens a row had emitted before each position: min_new_tokens' EOS suppression
+                greedy = sampler(logits, (state.generated.unsqueeze(1) + state.steps).view(-1).int())  # [R * W]
+            else:  # the sampler's greedy token is exactly argmax; one reduction instead of its passes
+                greedy = logits.argmax(-1)  # [R * W]
             ops.lookup_accept(greedy, state.feed, state.proposal_lens, state.eos_ids, state.history,
                               state.lengths, state.generated, state.done, state.stats, state.max_new)
 
