@@ -31,8 +31,8 @@ import torch
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata
-from pagedkv.runtime.prompt_lookup import LookupSettings, LookupStats
-from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, capture_step
+from pagedkv.runtime.prompt_lookup import LookupSettings, LookupStats, prefill_rows
+from pagedkv.runtime.runner import ModelRunner, bucket, capture_step
 from pagedkv.runtime.sampler import Sampler
 
 
@@ -121,11 +121,7 @@ class DeviceLookup:
         k, max_new = settings.prompt_lookup_num_tokens, settings.max_new_tokens
         eos_ids = settings.eos_token_ids
         batch = len(seq_ids)
-        cached = [cache.add_sequence(sid, p) for sid, p in zip(seq_ids, prompts)]
-        query = [len(p) - c for p, c in zip(prompts, cached)]  # [B]
-        last = list(itertools.accumulate(query, initial=-1))[1:]
-        tokens = list(itertools.chain.from_iterable(p[c:] for p, c in zip(prompts, cached)))
-        logits = runner.run(StepInput(seq_ids, tokens, query, last))  # [B, V]
+        logits = prefill_rows(runner, seq_ids, prompts)  # [B, V]
         for sid in seq_ids:
             cache.reserve(sid, max_new)
         tables = [cache.block_table(sid) for sid in seq_ids]

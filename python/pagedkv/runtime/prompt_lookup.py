@@ -26,6 +26,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from pagedkv.runtime.decode_read_back import StopSettings
 from pagedkv.runtime.model import PreparedModel
 from pagedkv.runtime.runner import ModelRunner, StepInput, bucket, graph_steps, to_device
 from pagedkv.runtime.sampler import Sampler
@@ -36,7 +37,7 @@ from pagedkv.runtime.speculative_sampling import SpeculativeSampler
 Verifier = Callable[[torch.Tensor, list[list[int]], list[int]], tuple[list[int], list[int]]]
 
 
-class LookupSettings(Protocol):
+class LookupSettings(StopSettings, Protocol):
     """What this module reads of fixed_batch.GenerationSettings (that module imports this one)."""
 
     @property
@@ -47,12 +48,6 @@ class LookupSettings(Protocol):
     def max_new_tokens(self) -> int: ...
     @property
     def min_new_tokens(self) -> int: ...
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]: ...
-    @property
-    def pad_token_id(self) -> int | None: ...
-    @property
-    def do_sample(self) -> bool: ...
     @property
     def temperature(self) -> float: ...
     @property
@@ -196,6 +191,16 @@ def run_prompt_lookup(runner: ModelRunner, seq_ids: list[int], prompts: list[lis
         return _run_rounds(runner, seq_ids, prompts, settings, streamer, input_ids, proposer)
 
 
+def prefill_rows(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]]) -> torch.Tensor:
+    """Add the rows' sequences to the cache and run their prompts (past any prefix-cache hit) as
+    one step: the logits [B, V] of each prompt's last token."""
+    cached = [runner.cache.add_sequence(sid, p) for sid, p in zip(seq_ids, prompts)]
+    query = [len(p) - c for p, c in zip(prompts, cached)]  # [B]
+    last = list(itertools.accumulate(query, initial=-1))[1:]
+    tokens = list(itertools.chain.from_iterable(p[c:] for p, c in zip(prompts, cached)))
+    return runner.run(StepInput(seq_ids, tokens, query, last))
+
+
 def _run_rounds(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]], settings: LookupSettings,
                 streamer, input_ids: torch.Tensor, proposer: Proposer) -> tuple[torch.Tensor, LookupStats]:
     k = proposer.max_tokens
@@ -203,11 +208,7 @@ def _run_rounds(runner: ModelRunner, seq_ids: list[int], prompts: list[list[int]
     eos_ids, pad = settings.eos_token_ids, settings.pad_token_id
     cache, device = runner.cache, runner.device
     batch = len(seq_ids)
-    cached = [cache.add_sequence(sid, p) for sid, p in zip(seq_ids, prompts)]
-    query = [len(p) - c for p, c in zip(prompts, cached)]  # [B]
-    last = list(itertools.accumulate(query, initial=-1))[1:]
-    tokens = list(itertools.chain.from_iterable(p[c:] for p, c in zip(prompts, cached)))
-    logits = runner.run(StepInput(seq_ids, tokens, query, last))  # [B, V]
+    logits = prefill_rows(runner, seq_ids, prompts)  # [B, V]
     verifier: Verifier = (SpeculativeSampler(settings.temperature, settings.top_k, settings.top_p, min_new,
                                              eos_ids, device) if settings.do_sample else
                           _GreedyVerifier(batch * (k + 1), device, min_new, eos_ids))
