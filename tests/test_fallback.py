@@ -29,9 +29,9 @@ SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
 GQA = dict(num_key_value_heads=1)  # for the configs that have the field (others keep it as junk)
 # model_type -> config fields beyond SMALL; each on registry.FALLBACK_MODEL_TYPES.
 CASES = {
-    "apertus": GQA, "arcee": GQA, "codegen": dict(rotary_dim=32), "cohere": GQA, "ernie4_5": GQA,
+    "apertus": GQA, "arcee": GQA, "codegen": dict(rotary_dim=32),
     "exaone4": GQA, "glm": GQA, "gpt_bigcode": {},
-    "gpt_neox": {}, "gptj": dict(rotary_dim=32), "granitemoe": GQA, "helium": dict(GQA, head_dim=64),
+    "gpt_neox": {}, "gptj": dict(rotary_dim=32), "granitemoe": GQA,
     "hunyuan_v1_dense": dict(GQA, head_dim=64), "jais2": GQA,
     "nemotron": dict(GQA, head_dim=64), "olmo": GQA,
     "opt": {}, "persimmon": {}, "phi": {}, "smollm3": GQA, "stablelm": GQA,

@@ -37,8 +37,6 @@ ADDED = {
 
 # model_type -> words the refusal must contain (read from each type's modeling file).
 REFUSED = {
-    "helium": "interleaved",
-    "ernie4_5": "interleaved",
     "hunyuan_v1_dense": "after the rotary",
     "smollm3": "NoPE",
     "ministral3": "llama_4_scaling",

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
+from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32
 from pagedkv.layers.moe import MoEWeights, moe_mlp, moe_weights
+from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES, fuse_qkv_halves
 from pagedkv.models.windows import layer_windows
 from pagedkv.quant.dispatch import LinearWeight, apply_gate_up_silu, apply_linear
 
@@ -63,6 +65,11 @@ class DecoderWeights:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # HF's rounding where it is not Llama's (layers/hf_rounding.py), for the types that compute so:
+    # RMSNorm's weight times the fp32 value, rounded once (Helium); the rotation in fp32 with fp32
+    # cos/sin, rounded once (ERNIE-4.5). Identical to Llama's in fp32.
+    norm_fp32_weight: bool = False
+    rope_fp32: bool = False
 
 
 def _fuse_rows(linears: list[torch.nn.Linear], with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -100,6 +107,9 @@ def extract_weights(model) -> DecoderWeights:
             qkv = attn.qkv_proj.weight.detach()
             qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach()
             gate_up = mlp.gate_up_proj.weight.detach()
+        elif config.model_type in INTERLEAVED_ROPE_MODEL_TYPES:  # q/k rows permuted: models/interleaved_rope.py
+            qkv, qkv_bias = fuse_qkv_halves(attn, attn.head_dim)
+            gate_up = _fuse_rows([dense.gate_proj, dense.up_proj], False)[0]
         else:
             qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], attn.q_proj.bias is not None)
             gate_up = None if dense is None else _fuse_rows([dense.gate_proj, dense.up_proj], False)[0]
@@ -127,6 +137,7 @@ def extract_weights(model) -> DecoderWeights:
         embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0)),
         residual_multiplier=float(getattr(config, "residual_multiplier", 1.0)),
         logits_scaling=float(getattr(config, "logits_scaling", 1.0)),
+        norm_fp32_weight=config.model_type == "helium", rope_fp32=config.model_type == "ernie4_5",
     )
 
 
@@ -145,13 +156,18 @@ class PagedDecoder:
         # pagedkv.runtime.parallel.TensorParallel when `weights` are one rank's shard: the O and down
         # products are partial sums (all-reduced) and the logits one vocabulary slice (gathered).
         self.tp = tp
+        # ERNIE-4.5: one position whose rotation is the identity (its rotation runs in fp32 first)
+        self.identity = _identity_rotation(weights.head_dim, weights.embed.device) if weights.rope_fp32 else None
 
     def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
         """residual += hidden (summed over the ranks first when hidden is a rank's partial O or
         down product); hidden = rms_norm(residual) * weight. In place."""
         if self.w.residual_multiplier != 1.0:  # Granite: HF rounds the product, then the sum
             hidden.mul_(self.w.residual_multiplier)
-        if self.tp is None:
+        if self.w.norm_fp32_weight:  # Helium (never sharded)
+            residual.add_(hidden)
+            hidden.copy_(rms_norm_fp32_weight(residual, weight, self.w.eps))
+        elif self.tp is None:
             ops.fused_add_rms_norm(hidden, residual, weight, self.w.eps)
         else:
             self.tp.all_reduce_add_rms_norm(hidden, residual, weight, self.w.eps)
@@ -169,12 +185,16 @@ class PagedDecoder:
         residual = F.embedding(input_ids, w.embed)  # [T, D]
         if w.embedding_multiplier != 1.0:  # Granite
             residual.mul_(w.embedding_multiplier)
-        hidden = ops.rms_norm(residual, w.layers[0].input_norm, w.eps)
+        norm = rms_norm_fp32_weight if w.norm_fp32_weight else ops.rms_norm
+        hidden = norm(residual, w.layers[0].input_norm, w.eps)
         rope_rows, table = meta.positions, self.cos_sin_cache
         if self.rope is not None:  # this step's own table [T, rot_dim]: token t reads row t
             lens = meta.positions.long() + 1 if meta.rope_lens is None else meta.rope_lens
             table = self.rope.cos_sin(meta.positions, lens)
             rope_rows = torch.arange(num_tokens, dtype=torch.int32, device=input_ids.device)
+        fp32_rows, fp32_table = rope_rows, table
+        if w.rope_fp32:  # rotated below in fp32; the kernel then only writes K, V (cos 1, sin 0)
+            rope_rows, table = torch.zeros_like(rope_rows), self.identity
         for i, layer in enumerate(w.layers):
             qkv = apply_linear(hidden, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) Dh]
             q = qkv[:, :q_size].view(num_tokens, w.num_heads, w.head_dim)
@@ -185,6 +205,8 @@ class PagedDecoder:
                 q = ops.rms_norm(qkv[:, :q_size].contiguous(), q_norm, w.eps).view_as(q)
                 k = ops.rms_norm(qkv[:, q_size:q_size + kv_size].contiguous(), k_norm, w.eps).view_as(k)
                 q_norm = k_norm = None
+            if w.rope_fp32:  # ERNIE-4.5 (no q/k norms)
+                q, k = rotate_fp32(q, fp32_table, fp32_rows), rotate_fp32(k, fp32_table, fp32_rows)
             ops.rope_and_write_kv(q, k, v, rope_rows, table, self.k_caches[i],
                                   self.v_caches[i], meta.slot_mapping, q_norm_weight=q_norm,
                                   k_norm_weight=k_norm, epsilon=w.eps)
@@ -207,3 +229,10 @@ class PagedDecoder:
         if w.logits_scaling != 1.0:  # Granite: HF divides (not times the reciprocal)
             logits.div_(w.logits_scaling)
         return logits if self.tp is None else self.tp.gather_vocab(logits, w.vocab_size)
+
+
+def _identity_rotation(rot_dim: int, device: torch.device) -> torch.Tensor:
+    """[1, rot_dim] fp32: cos 1, sin 0 (ops.rope_and_write_kv then leaves q and k as they are)."""
+    identity = torch.zeros(1, rot_dim, dtype=torch.float32, device=device)
+    identity[:, :rot_dim // 2] = 1.0
+    return identity

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
+from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32  # HF's rounding (tests read them here too)
 from pagedkv.layers.rotary import rope_type
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import layer_path, path_reason
@@ -132,23 +133,6 @@ def extract_olmo2_weights(model) -> Olmo2Weights:
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
         head_dim=attn0.head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
     )
-
-
-def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N], weight [N] -> [..., N] in x's dtype: HF's Olmo2RMSNorm, its arithmetic."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype)
-
-
-def rotate_fp32(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [T, H, Dh] -> [T, H, Dh] in x's dtype: HF's apply_rotary_pos_emb with fp32 cos/sin
-    (``x * cos + rotate_half(x) * sin`` in fp32, rounded once). cos_sin [P, Dh] fp32: cos | sin."""
-    half = x.shape[-1] // 2
-    table = cos_sin[positions][:, None]  # [T, 1, Dh]
-    cos, sin = table[..., :half], table[..., half:]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class Olmo2Decoder:

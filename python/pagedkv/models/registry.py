@@ -10,7 +10,9 @@ from torch import nn
 from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, rope_type
 from pagedkv.models.fallback import fallback_reason
 from pagedkv.models.hf_quantized import QuantizedLinears, find_quantized
+from pagedkv.models.cohere import COHERE_MODEL_TYPES, cohere_reason
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, gemma_reason
+from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES
 from pagedkv.models.module_path import ATTENTION_LINEARS, MLP_LINEARS, PathEntry, outer_path, path_reason
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
 from pagedkv.models.windows import layer_windows
@@ -25,8 +27,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "ministra
 # attention scale): taken from the HF model on one device (the checkpoint readers, sharded or int4,
 # do not read them).
 SCALED_MODEL_TYPES = ("granite",)
-# Every type with a native decoder (models/llama.py, gemma.py, olmo2.py).
-NATIVE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + SCALED_MODEL_TYPES + GEMMA_MODEL_TYPES + OLMO2_MODEL_TYPES
+# Every type with a native decoder (models/llama.py, gemma.py, olmo2.py, cohere.py); Llama's
+# decoder also runs INTERLEAVED_ROPE_MODEL_TYPES (q/k rows permuted at load, one device).
+NATIVE_MODEL_TYPES = (SUPPORTED_MODEL_TYPES + SCALED_MODEL_TYPES + INTERLEAVED_ROPE_MODEL_TYPES + GEMMA_MODEL_TYPES
+                      + OLMO2_MODEL_TYPES + COHERE_MODEL_TYPES)
 FUSED_QKV_GATE_UP = ("phi3",)  # self_attn.qkv_proj [q; k; v] and mlp.gate_up_proj [gate; up] as stored
 # Types whose MLP may be a mixture of experts (layers/moe.py): one device only (not sharded yet).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -34,8 +38,6 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 QUANTIZED_MODEL_TYPES = tuple(t for t in SUPPORTED_MODEL_TYPES if t not in MOE_MODEL_TYPES + FUSED_QKV_GATE_UP)
 # Llama-like types whose decoder computes something else, by what differs (a new kernel or formula).
 OTHER_DECODERS = {
-    "helium": "its rotary embedding rotates interleaved pairs of dimensions (pagedkv: halves)",
-    "ernie4_5": "its rotary embedding rotates interleaved pairs of dimensions (pagedkv: halves)",
     "hunyuan_v1_dense": "its query/key RMSNorm comes after the rotary embedding (Qwen3's: before)",
     "smollm3": "some layers have no rotary embedding (NoPE layers)",
     "ministral3": "queries are scaled by position (llama_4_scaling_beta)",
@@ -51,9 +53,9 @@ OTHER_DECODERS = {
 # the modules allow, no tensor parallelism), each one's greedy tokens checked against HF's by
 # tests/test_fallback.py; a type that fails there stays off (GPT-2 passes, but stays the tests'
 # example of a refused type for now).
-FALLBACK_MODEL_TYPES = ("apertus", "arcee", "codegen", "cohere", "ernie4_5", "exaone4",
+FALLBACK_MODEL_TYPES = ("apertus", "arcee", "codegen", "exaone4",
                         "glm", "gpt_bigcode", "gpt_neox", "gptj", "granitemoe",
-                        "helium", "hunyuan_v1_dense", "jais2", "nemotron", "olmo",
+                        "hunyuan_v1_dense", "jais2", "nemotron", "olmo",
                         "opt", "persimmon", "phi", "smollm3", "stablelm", "starcoder2",
                         # MoE and window types of transformers 5.x (some absent from older ones)
                         "afmoe", "biogpt", "bitnet", "cohere2", "cohere2_moe", "ernie4_5_moe",
@@ -86,7 +88,9 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
         return gemma_reason(model, SUPPORTED_HEAD_DIMS) or _placement_reason(model, placement)
     if model_type in OLMO2_MODEL_TYPES:  # models/olmo2.py
         return olmo2_reason(model, SUPPORTED_HEAD_DIMS, SUPPORTED_ROPE_TYPES) or _placement_reason(model, placement)
-    if model_type not in SUPPORTED_MODEL_TYPES + SCALED_MODEL_TYPES:
+    if model_type in COHERE_MODEL_TYPES:  # models/cohere.py
+        return cohere_reason(model, SUPPORTED_HEAD_DIMS, SUPPORTED_ROPE_TYPES) or _placement_reason(model, placement)
+    if model_type not in SUPPORTED_MODEL_TYPES + SCALED_MODEL_TYPES + INTERLEAVED_ROPE_MODEL_TYPES:
         differs = f" ({OTHER_DECODERS[model_type]})" if model_type in OTHER_DECODERS else ""
         return (f"model_type {model_type!r} is not supported{differs}; supported: "
                 f"{', '.join(NATIVE_MODEL_TYPES)}; by their own HF modules (slower): "
@@ -97,6 +101,8 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
         return f"hidden_act={config.hidden_act!r} is not supported; supported: 'silu'"
     if getattr(config, "mlp_bias", False):
         return "mlp_bias=True is not supported"
+    if getattr(config, "use_bias", False):  # ERNIE-4.5's: biases on every Linear, the MLP's too
+        return "use_bias=True (biases on the MLP's Linears) is not supported; supported: use_bias=False"
     if getattr(config, "clip_qkv", None) is not None:  # OLMoE's: q, k, v clamped
         return f"clip_qkv={config.clip_qkv} is not supported; supported: None"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):

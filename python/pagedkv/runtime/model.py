@@ -44,9 +44,11 @@ import torch.distributed as dist
 from pagedkv.layers.moe import moe_weight_tensors
 from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, RopeByLength, build_cos_sin_cache, max_length, rope_type
 from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read_shard
+from pagedkv.models.cohere import COHERE_MODEL_TYPES, CohereWeights, extract_cohere_weights
 from pagedkv.models.fallback import FallbackWeights, fallback_weights, settings_state
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights
 from pagedkv.models.hf_quantized import QuantizedLinears, find_quantized, quantized_state, read_hf_quantized
+from pagedkv.models.interleaved_rope import PERMUTED_ROWS_MODEL_TYPES, interleaved_cos_sin
 from pagedkv.models.llama import DecoderWeights, extract_weights
 from pagedkv.models.windows import layer_type_cos_sin
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, Olmo2Weights, extract_olmo2_weights
@@ -133,7 +135,7 @@ def _changed_error(change: str, tp: bool, who: str) -> ModelChanged:
 @dataclasses.dataclass(eq=False)
 class PreparedModel:
     # FallbackWeights: a type pagedkv runs by the HF model's own modules (models/fallback.py).
-    weights: DecoderWeights | GemmaWeights | Olmo2Weights | FallbackWeights
+    weights: DecoderWeights | GemmaWeights | Olmo2Weights | CohereWeights | FallbackWeights
     # [max_positions, rot_dim] fp32 from the model's rotary (Gemma, OLMo-2/3: [tables, ...]); None: fallback
     cos_sin: torch.Tensor | None
     device: torch.device  # where the forward runs (a shard's device may differ from the HF model's)
@@ -178,6 +180,8 @@ class PreparedModel:
                 weights = extract_gemma_weights(model)
             elif model.config.model_type in OLMO2_MODEL_TYPES:  # never sharded (tensor_parallel refuses)
                 weights = extract_olmo2_weights(model)
+            elif model.config.model_type in COHERE_MODEL_TYPES:  # never sharded (tensor_parallel refuses)
+                weights = extract_cohere_weights(model)
             else:
                 weights = extract_weights(model)
                 if tp is not None:
@@ -192,6 +196,8 @@ class PreparedModel:
                 rope, cos_sin = RopeByLength(rotary, max_positions, device), None
             elif isinstance(weights, (GemmaWeights, Olmo2Weights)):  # Gemma-3, OLMo-3: a table per layer type
                 cos_sin = layer_type_cos_sin(model, max_positions, device)
+            elif isinstance(weights, CohereWeights):  # its rotary repeats each frequency twice in a row
+                cos_sin = interleaved_cos_sin(rotary, max_positions, device)
             else:
                 cos_sin = build_cos_sin_cache(model.config, max_positions, device,
                                               rotary_emb=type(rotary)(model.config) if param.is_meta else rotary)
@@ -200,13 +206,13 @@ class PreparedModel:
                     "" if tp is None else f" (rank {tp.rank} of {tp.world_size}'s shard)")
         packed = quantized_state(model, registry.QUANTIZED_MODEL_TYPES) if isinstance(found, QuantizedLinears) else ()
         return cls(weights, cos_sin, device, param.dtype, max_positions, tp,
-                   fingerprint=fingerprint(model, versions=tp is not None) + packed, rope=rope,
+                   fingerprint=fingerprint(model, versions=_copies(model, tp)) + packed, rope=rope,
                    hf_quantized=bool(packed))
 
     def change_in(self, model) -> str | None:
         """None if `model` is as these weights were taken from it, else its first change.
         A shard (tp) is a copy: in-place writes count too."""
-        now = fingerprint(model, versions=self.tp is not None)
+        now = fingerprint(model, versions=_copies(model, self.tp))
         if isinstance(self.weights, FallbackWeights):  # HF's modules run: their settings count too
             now += settings_state(model)
         if self.hf_quantized:  # repacked copies: writes in place count (models/hf_quantized.py)
@@ -218,6 +224,10 @@ class PreparedModel:
         # (a cache manager, locks and CUDA graphs do not copy, and these weights are the
         # original's) and takes its own weights on first use.
         return type(None), ()
+
+
+def _copies(model, tp: TensorParallel | None) -> bool:  # a shard, or permuted q/k rows: writes count
+    return tp is not None or model.config.model_type in PERMUTED_ROWS_MODEL_TYPES
 
 
 def weight_bytes(weights: DecoderWeights) -> int:
@@ -320,10 +330,10 @@ def tensor_parallel(model: M, group: dist.ProcessGroup | None = None,
         raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} (models/gemma.py) "
                                "is not sharded yet; run it on one device with pagedkv.generate or pagedkv.LLM; "
                                f"tensor parallelism runs: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if model.config.model_type in OLMO2_MODEL_TYPES + registry.SCALED_MODEL_TYPES:
+    if model.config.model_type in OLMO2_MODEL_TYPES + registry.SCALED_MODEL_TYPES + PERMUTED_ROWS_MODEL_TYPES:
         raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} is not sharded "
-                               "yet (OLMo-2's q/k norms span all heads; Granite's multipliers are not in the "
-                               "shards); run it on one device with pagedkv.generate or pagedkv.LLM")
+                               "yet (OLMo-2's q/k norms span all heads; Granite's multipliers and the permuted q/k "
+                               "rows of interleaved rotary types are not in the shards); run it on one device")
     if reader is None and isinstance(find_quantized(model, registry.QUANTIZED_MODEL_TYPES), QuantizedLinears):
         raise UnsupportedModel("pagedkv.tensor_parallel: a model loaded quantized (models/hf_quantized.py) is not "
                                "sharded; run it on one device with pagedkv.generate or pagedkv.LLM")

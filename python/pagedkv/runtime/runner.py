@@ -30,6 +30,7 @@ from torch.profiler import record_function
 from pagedkv.cache import KVCache, StepMetadata
 from pagedkv.layers.attention import ForwardMetadata
 from pagedkv.models.fallback import FallbackDecoder, FallbackWeights
+from pagedkv.models.cohere import CohereDecoder, CohereWeights
 from pagedkv.models.gemma import GemmaDecoder, GemmaWeights
 from pagedkv.models.llama import PagedDecoder
 from pagedkv.models.olmo2 import Olmo2Decoder, Olmo2Weights
@@ -201,6 +202,8 @@ class ModelRunner:
             self.decoder = GemmaDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches)
         elif isinstance(model.weights, Olmo2Weights):  # models/olmo2.py
             self.decoder = Olmo2Decoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches)
+        elif isinstance(model.weights, CohereWeights):  # models/cohere.py
+            self.decoder = CohereDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches)
         else:
             self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
                                         tp=model.tp, rope=model.rope)
