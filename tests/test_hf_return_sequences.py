@@ -69,14 +69,14 @@ def test_prompt_runs_once_and_rows_share_its_blocks(monkeypatch):
         return run(self, step)
 
     monkeypatch.setattr(ModelRunner, "run", recording_run)
-    read_back = fixed_batch._read_back
+    read_back = fixed_batch.read_back
 
     def recording_read_back(*args, **kwargs):
         cache = pagedkv.kv_cache_of(m)
         used.append(cache.num_blocks - cache.num_free_blocks)
         return read_back(*args, **kwargs)
 
-    monkeypatch.setattr(fixed_batch, "_read_back", recording_read_back)
+    monkeypatch.setattr(fixed_batch, "read_back", recording_read_back)
     out = pagedkv.generate(m, ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
                            num_return_sequences=4, eos_token_id=None)
     monkeypatch.undo()
