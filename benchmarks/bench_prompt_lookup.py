@@ -218,12 +218,16 @@ def main(argv: list[str] | None = None) -> dict:
     for name in systems:
         same = sum(a == b for a, b in zip(tokens[name], tokens[PAGEDKV]))
         n_rounds, n_proposed, n_accepted = looked.get(name, (0, 0, 0))
+        # the cost of a round (or a decode step) apart from the tokens it gives, prefills included
+        steps = n_rounds or (counts[name] - first_tokens if name in (PAGEDKV, HF) else 0)
         rows.append([name, counts[name], seconds[name], speed[name], speed[name] / speed[PAGEDKV],
                      f"{n_accepted / n_proposed:.3f}" if n_proposed else ("n/a" if name == HF_SPEC else ""),
                      f"{(counts[name] - first_tokens) / n_rounds:.2f}" if n_rounds else "",
+                     f"{1e3 * seconds[name] / steps:.3f}" if steps else "",
                      f"{same}/{len(prompts)}"])
     header = ["system", "new tokens", "seconds", "tokens/s", "speed-up vs pagedkv",
-              "acceptance (accepted / proposed)", "new tokens / round", "prompts equal to pagedkv"]
+              "acceptance (accepted / proposed)", "new tokens / round", "ms / round (or decode step)",
+              "prompts equal to pagedkv"]
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     method = (f"Draft model (the target's first {args.draft_layers} of {model.config.num_hidden_layers} "
               f"layers, {parameter_count(draft) / 1e6:.0f}M of {parameter_count(model) / 1e6:.0f}M "

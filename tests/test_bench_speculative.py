@@ -65,7 +65,8 @@ def test_prompt_lookup_small_run(tokenizer, tmp_path, capsys, extra, systems):
     rows = table_rows(tmp_path / "bench_prompt_lookup.md")
     assert [r[0] for r in rows] == systems
     by_name = {r[0]: r for r in rows}
-    assert by_name["pagedkv prompt lookup"][7] == "3/3"  # prompts equal to pagedkv
+    assert by_name["pagedkv prompt lookup"][8] == "3/3"  # prompts equal to pagedkv
+    assert float(by_name["pagedkv prompt lookup"][7]) > 0 and float(by_name["pagedkv"][7]) > 0  # ms a round / step
     assert 0 < float(by_name["pagedkv prompt lookup"][5]) <= 1  # acceptance
     assert float(by_name["pagedkv prompt lookup"][6]) >= 1  # new tokens per round
     assert "goal: prompt lookup >= 2.0x pagedkv without speculation" in printed
@@ -99,7 +100,7 @@ def test_draft_model_small_run(tokenizer, tmp_path, capsys, extra, systems):
     rows = table_rows(tmp_path / "bench_prompt_lookup_draft.md")
     assert [r[0] for r in rows] == systems
     ours = {r[0]: r for r in rows}["pagedkv assistant_model"]
-    assert ours[7] == "3/3" and 0 <= float(ours[5]) <= 1 and float(ours[6]) >= 1
+    assert ours[8] == "3/3" and 0 <= float(ours[5]) <= 1 and float(ours[6]) >= 1 and float(ours[7]) > 0
     assert "first 2 of 30 layers" in (tmp_path / "bench_prompt_lookup_draft.md").read_text()
     assert "draft: acceptance" in printed and "goal: prompt lookup" not in printed
     assert (tmp_path / "bench_prompt_lookup_draft.png").stat().st_size > 0
