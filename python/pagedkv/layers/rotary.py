@@ -22,6 +22,15 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 LENGTH_DEPENDENT_ROPE_TYPES = _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
+def identity_rotation(rot_dim: int, device: torch.device) -> torch.Tensor:
+    """[1, rot_dim] fp32, cos 1 | sin 0: a rotary table of one position that rotates nothing, so
+    that ops.rope_and_write_kv (every token at row 0) only writes K and V, for decoders that rotate
+    q and k themselves (HF's rounding, HF's own modules). x * 1 - y * 0 rounds to x."""
+    identity = torch.zeros(1, rot_dim, dtype=torch.float32, device=device)
+    identity[:, :rot_dim // 2] = 1.0
+    return identity
+
+
 def rope_type(config) -> str:
     """The config's rope type ("default", "llama3", "yarn", ...), across transformers versions."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}

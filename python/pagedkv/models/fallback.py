@@ -39,6 +39,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
+from pagedkv.layers.rotary import identity_rotation
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 ATTN_IMPLEMENTATION = "pagedkv"  # the name registered in HF's AttentionInterface (not "paged|...")
@@ -217,9 +218,7 @@ class FallbackDecoder:
         # rope_and_write_kv's table of one position that rotates nothing: 16 dims keep its
         # vectorized path (rot_dim / 2 a multiple of 16 bytes' elements)
         rot_dim = min(16, weights.head_dim - weights.head_dim % 2)
-        identity = torch.zeros(1, rot_dim, dtype=torch.float32, device=k_caches[0].device)
-        identity[:, :rot_dim // 2] = 1.0
-        self.identity = identity  # [1, rot_dim]
+        self.identity = identity_rotation(rot_dim, k_caches[0].device)  # [1, rot_dim]
 
     def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:

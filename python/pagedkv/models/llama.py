@@ -24,6 +24,7 @@ from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
 from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32
 from pagedkv.layers.moe import MoEWeights, moe_mlp, moe_weights
+from pagedkv.layers.rotary import identity_rotation
 from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES, fuse_qkv_halves
 from pagedkv.models.windows import layer_windows
 from pagedkv.quant.dispatch import LinearWeight, apply_gate_up_silu, apply_linear
@@ -157,7 +158,7 @@ class PagedDecoder:
         # products are partial sums (all-reduced) and the logits one vocabulary slice (gathered).
         self.tp = tp
         # ERNIE-4.5: one position whose rotation is the identity (its rotation runs in fp32 first)
-        self.identity = _identity_rotation(weights.head_dim, weights.embed.device) if weights.rope_fp32 else None
+        self.identity = identity_rotation(weights.head_dim, weights.embed.device) if weights.rope_fp32 else None
 
     def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
         """residual += hidden (summed over the ranks first when hidden is a rank's partial O or
@@ -230,9 +231,3 @@ class PagedDecoder:
             logits.div_(w.logits_scaling)
         return logits if self.tp is None else self.tp.gather_vocab(logits, w.vocab_size)
 
-
-def _identity_rotation(rot_dim: int, device: torch.device) -> torch.Tensor:
-    """[1, rot_dim] fp32: cos 1, sin 0 (ops.rope_and_write_kv then leaves q and k as they are)."""
-    identity = torch.zeros(1, rot_dim, dtype=torch.float32, device=device)
-    identity[:, :rot_dim // 2] = 1.0
-    return identity

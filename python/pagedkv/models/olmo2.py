@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
 from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32  # HF's rounding (tests read them here too)
-from pagedkv.layers.rotary import rope_type
+from pagedkv.layers.rotary import identity_rotation, rope_type
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import layer_path, path_reason
 from pagedkv.models.windows import layer_types, rope_kinds
@@ -144,10 +144,7 @@ class Olmo2Decoder:
         self.cos_sin = cos_sin  # [R, max_position, Dh] fp32: cos | sin halves (windows.layer_type_cos_sin)
         self.k_caches = k_caches  # per layer [num_blocks, block_size, Hkv, Dh]
         self.v_caches = v_caches
-        # One position whose rotation is the identity: rope_and_write_kv only writes K and V.
-        identity = torch.zeros(1, weights.head_dim, dtype=torch.float32, device=cos_sin.device)
-        identity[:, :weights.head_dim // 2] = 1.0
-        self.identity = identity  # [1, Dh]
+        self.identity = identity_rotation(weights.head_dim, cos_sin.device)  # [1, Dh]: K/V writes only
 
     def _attention(self, i: int, layer: Olmo2LayerWeights, x: torch.Tensor, meta: ForwardMetadata,
                    at_zero: torch.Tensor, workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
