@@ -31,7 +31,7 @@ from pagedkv.layers.hf_rounding import layer_norm_fp32, rotate_fp32
 from pagedkv.layers.rotary import identity_rotation, rope_type
 from pagedkv.models.interleaved_rope import fuse_qkv_halves, permute_last
 from pagedkv.models.llama import _fuse_rows
-from pagedkv.models.module_path import layer_path, path_reason
+from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
 
 COHERE_MODEL_TYPES = ("cohere",)
 
@@ -70,16 +70,17 @@ def cohere_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...]
     """None if this file runs `model` exactly, else what it does not run, as a sentence (dtype
     and placement are the registry's)."""
     config = model.config
-    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
-        return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
+    reason = causal_lm_reason(model)
+    if reason is not None:
+        return reason
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act={config.hidden_act!r} is not supported; supported: 'silu'"
     kind = rope_type(config)
     if kind not in rope_types:
         return f"rope type {kind!r} is not supported; supported: {', '.join(rope_types)}"
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim not in head_dims:
-        return f"head_dim {head_dim} is not supported; supported: {', '.join(map(str, head_dims))}"
+    reason = head_dim_reason(config, head_dims)
+    if reason is not None:
+        return reason
     qk_norms = ("q_norm", "k_norm") if getattr(config, "use_qk_norm", False) else ()
     return path_reason(layer_path(model, ("input_layernorm",), qk_norms), config.model_type)
 

@@ -29,7 +29,7 @@ from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
-from pagedkv.models.module_path import layer_path, path_reason
+from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
 from pagedkv.models.windows import layer_types, rope_kinds
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -93,8 +93,9 @@ def gemma_reason(model, head_dims: tuple[int, ...]) -> str | None:
     """None if models/gemma.py runs `model` exactly, else what it does not run, as a sentence
     (dtype and placement are the registry's)."""
     config = model.config
-    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
-        return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
+    reason = causal_lm_reason(model)
+    if reason is not None:
+        return reason
     act = _activation(config)
     if act != ACTIVATION:
         return f"activation {act!r} is not supported for {config.model_type}; supported: {ACTIVATION!r}"
@@ -104,9 +105,9 @@ def gemma_reason(model, head_dims: tuple[int, ...]) -> str | None:
         kind = params.get("rope_type", params.get("type"))
         if kind in LENGTH_DEPENDENT_ROPE:
             return f"rope type {kind!r} is not supported (its frequencies depend on the sequence length)"
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim not in head_dims:
-        return f"head_dim {head_dim} is not supported; supported: {', '.join(map(str, head_dims))}"
+    reason = head_dim_reason(config, head_dims)
+    if reason is not None:
+        return reason
     unknown = set(layer_types(config)) - set(LAYER_TYPES)
     if unknown:
         return f"layer_types {sorted(unknown)} are not supported; supported: {', '.join(LAYER_TYPES)}"

@@ -17,6 +17,21 @@ ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
+def causal_lm_reason(model) -> str | None:
+    """None if `model` has a decoder and an LM head where a native decoder reads them."""
+    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
+    return None
+
+
+def head_dim_reason(config, head_dims: tuple[int, ...]) -> str | None:
+    """None if the config's head_dim is one the attention kernels are instantiated for."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in head_dims:
+        return f"head_dim {head_dim} is not supported; supported: {', '.join(map(str, head_dims))}"
+    return None
+
+
 def outer_path(model, embedding: type | None = nn.Embedding) -> list[PathEntry]:
     """The embedding (of class `embedding`; None: any transformers module, e.g. Gemma's scaled
     one), the LM head and the final norm of an HF *ForCausalLM."""

@@ -34,7 +34,7 @@ from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged
 from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32  # HF's rounding (tests read them here too)
 from pagedkv.layers.rotary import identity_rotation, rope_type
 from pagedkv.models.llama import _fuse_rows
-from pagedkv.models.module_path import layer_path, path_reason
+from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
 from pagedkv.models.windows import layer_types, rope_kinds
 
 OLMO2_MODEL_TYPES = ("olmo2", "olmo3")
@@ -85,8 +85,9 @@ def olmo2_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...])
     """None if this file runs `model` exactly, else what it does not run, as a sentence (dtype
     and placement are the registry's)."""
     config = model.config
-    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
-        return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
+    reason = causal_lm_reason(model)
+    if reason is not None:
+        return reason
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act={config.hidden_act!r} is not supported; supported: 'silu'"
     unknown = set(layer_types(config)) - set(LAYER_TYPES)
@@ -95,9 +96,9 @@ def olmo2_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...])
     for kind in _rope_types(config):
         if kind not in rope_types:
             return f"rope type {kind!r} is not supported; supported: {', '.join(rope_types)}"
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim not in head_dims:
-        return f"head_dim {head_dim} is not supported; supported: {', '.join(map(str, head_dims))}"
+    reason = head_dim_reason(config, head_dims)
+    if reason is not None:
+        return reason
     return _module_reason(model)
 
 

@@ -13,7 +13,8 @@ from pagedkv.models.hf_quantized import QuantizedLinears, find_quantized
 from pagedkv.models.cohere import COHERE_MODEL_TYPES, cohere_reason
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, gemma_reason
 from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES
-from pagedkv.models.module_path import ATTENTION_LINEARS, MLP_LINEARS, PathEntry, outer_path, path_reason
+from pagedkv.models.module_path import (ATTENTION_LINEARS, MLP_LINEARS, PathEntry, causal_lm_reason,
+                                        head_dim_reason, outer_path, path_reason)
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
 from pagedkv.models.windows import layer_windows
 
@@ -95,8 +96,9 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
         return (f"model_type {model_type!r} is not supported{differs}; supported: "
                 f"{', '.join(NATIVE_MODEL_TYPES)}; by their own HF modules (slower): "
                 f"{', '.join(FALLBACK_MODEL_TYPES)}")
-    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
-        return f"{type(model).__name__} is not a *ForCausalLM model (expected .model and .lm_head)"
+    reason = causal_lm_reason(model)
+    if reason is not None:
+        return reason
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act={config.hidden_act!r} is not supported; supported: 'silu'"
     if getattr(config, "mlp_bias", False):
@@ -111,10 +113,9 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     if rope not in SUPPORTED_ROPE_TYPES + LENGTH_DEPENDENT_ROPE_TYPES:  # the latter: models/llama.py's rope
         return (f"rope type {rope!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES + LENGTH_DEPENDENT_ROPE_TYPES)}")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return (f"head_dim {head_dim} is not supported; supported: "
-                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    reason = head_dim_reason(config, SUPPORTED_HEAD_DIMS)
+    if reason is not None:
+        return reason
     quantized = find_quantized(model, QUANTIZED_MODEL_TYPES)  # loaded quantized (models/hf_quantized.py)
     if isinstance(quantized, str):
         return quantized
@@ -137,10 +138,9 @@ def _fallback_path_reason(model, placement: bool) -> str | None:
         return (f"model_type {model.config.model_type!r} runs by its own modules only with causal "
                 f"self-attention that pagedkv's kernels compute exactly; this one has {reason}")
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return (f"head_dim {head_dim} is not supported; supported: "
-                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    reason = head_dim_reason(config, SUPPORTED_HEAD_DIMS)
+    if reason is not None:
+        return reason
     return _placement_reason(model, placement)
 
 
