@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 _COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -29,6 +29,15 @@ def tiny_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     model = ARCHITECTURES[name]()
     widen(model)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def random_model(model_type: str, fields: dict, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 seed: int = 0, norms: bool = False) -> torch.nn.Module:
+    """A tiny random HF model of any type from its config fields (AutoConfig), weights widened
+    (norms: the norm weights too), in eval mode on `device` in `dtype`."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+    return widen(model, norms=norms).to(device=device, dtype=dtype).eval()
 
 
 def widen(model: torch.nn.Module, norms: bool = False) -> torch.nn.Module:

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import pagedkv
 import tp_worker
 from conftest import DEVICES
-from models import widen
+from models import random_model
 from pagedkv.models import olmo2, registry
 from pagedkv.models.llama import DecoderWeights, PagedDecoder
 from pagedkv.runtime.model import prepared
@@ -34,10 +34,7 @@ GREEDY = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_i
 
 def tiny(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **fields):
     model_type, own = CASES[name]
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**COMMON, **own, **fields})
-    model = widen(AutoModelForCausalLM.from_config(config), norms=True)
-    return model.to(device=device, dtype=dtype).eval()
+    return random_model(model_type, {**COMMON, **own, **fields}, device, dtype, seed, norms=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 import pagedkv
 from conftest import DEVICES
-from models import widen
+from models import random_model
 from pagedkv import ops
 from pagedkv.models import registry
 from pagedkv.models.interleaved_rope import halves_order, permute_heads
@@ -40,10 +40,7 @@ GREEDY = dict(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_i
 
 def tiny(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **fields):
     model_type, own = CASES[name]
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**COMMON, **own, **fields})
-    model = widen(AutoModelForCausalLM.from_config(config), norms=True)
-    return model.to(device=device, dtype=dtype).eval()
+    return random_model(model_type, {**COMMON, **own, **fields}, device, dtype, seed, norms=True)
 
 
 def weights_type(model) -> type:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import pagedkv
 import tp_worker
 from conftest import DEVICES
-from models import _COMMON, widen
+from models import _COMMON, random_model
 from pagedkv.layers import moe
 from pagedkv.models.registry import UnsupportedModel
 from pagedkv.runtime.model import prepared, weight_bytes
@@ -48,9 +47,7 @@ PATHS = {"kernels": 10**9, "grouped": 0}
 
 def tiny(name: str, device: str = "cpu", seed: int = 0):
     model_type, fields = CASES[name]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**_COMMON, **fields}))
-    return widen(model).to(device).eval()
+    return random_model(model_type, {**_COMMON, **fields}, device, seed=seed)
 
 
 # The ops ------------------------------------------------------------------------------------

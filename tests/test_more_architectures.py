@@ -13,7 +13,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 import pagedkv
 import tp_worker
 from tolerance import assert_tokens_equal_up_to_near_tie
-from models import _COMMON, widen
+from models import _COMMON, random_model
 from pagedkv.models import registry
 from pagedkv.models.checkpoint_shards import open_checkpoint, read_shard
 from pagedkv.models.llama import extract_weights
@@ -60,9 +60,7 @@ def tiny(name: str, device: str = "cpu", seed: int = 0):
     """A tiny random fp32 model of ADDED[name], weights widened as tests/models.py's tiny_model."""
     model_type, fields = ADDED[name]
     available(model_type)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**_COMMON, **fields}))
-    return widen(model).to(device).eval()
+    return random_model(model_type, {**_COMMON, **fields}, device, seed=seed)
 
 
 def left_padded(lengths: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import pagedkv
 import tp_worker
 from conftest import DEVICES
-from models import widen
+from models import random_model
 from pagedkv.layers import moe
 from pagedkv.models import olmo2, registry
 from pagedkv.models.llama import DecoderWeights, PagedDecoder
@@ -49,9 +48,7 @@ PATHS = {"kernels": 10**9, "grouped": 0}
 def tiny(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
          flat_router: bool = True, **fields):
     model_type, own = CASES[name]
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**COMMON, **own, **fields})
-    model = widen(AutoModelForCausalLM.from_config(config), norms=True)
+    model = random_model(model_type, {**COMMON, **own, **fields}, seed=seed, norms=True)  # CPU fp32
     if model_type == "olmoe" and flat_router:  # the top 8 hold part of the mass: norm_topk_prob shows
         with torch.no_grad():
             for layer in model.model.layers:
