@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 #include "checks.h"
 #include "kernel_checks.h"
@@ -31,6 +32,18 @@ inline void check_feed(const at::Tensor& feed, int64_t rows) {
   check_contiguous(feed, "feed");
 }
 
+// Both ops' first checks: feed and history, whose rows and width size every other argument.
+inline std::pair<int64_t, int64_t> check_feed_and_history(const at::Tensor& feed,
+                                                          const at::Tensor& history) {
+  TORCH_CHECK(feed.dim() == 2, "pagedkv: feed must have shape [rows, width], got ", feed.sizes());
+  const int64_t rows = feed.size(0);
+  check_feed(feed, rows);
+  const int64_t width = feed.size(1);
+  check_history(history, rows, width);
+  check_same_device(history, feed, "history", "feed");
+  return {rows, width};
+}
+
 inline void check_rows_of(const at::Tensor& t, at::ScalarType dtype, const char* name,
                           const at::Tensor& ref, const char* ref_name, int64_t size,
                           const char* size_name) {
@@ -45,12 +58,7 @@ inline kernels::LookupPropose checked_lookup_propose(
     const at::Tensor& proposal_lens, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const at::Tensor& context_lens, const at::Tensor& max_new, int64_t k, int64_t max_ngram,
     int64_t block_size) {
-  TORCH_CHECK(feed.dim() == 2, "pagedkv: feed must have shape [rows, width], got ", feed.sizes());
-  const int64_t rows = feed.size(0);
-  check_feed(feed, rows);
-  const int64_t width = feed.size(1);
-  check_history(history, rows, width);
-  check_same_device(history, feed, "history", "feed");
+  const auto [rows, width] = check_feed_and_history(feed, history);
   check_rows_of(lengths, at::kLong, "lengths", feed, "feed", rows, "rows");
   check_rows_of(generated, at::kLong, "generated", feed, "feed", rows, "rows");
   check_rows_of(max_new, at::kLong, "max_new", feed, "feed", rows, "rows");
@@ -86,12 +94,7 @@ inline kernels::LookupAccept checked_lookup_accept(
     const at::Tensor& eos_ids, const at::Tensor& history, const at::Tensor& lengths,
     const at::Tensor& generated, const at::Tensor& done, const at::Tensor& stats,
     const at::Tensor& max_new) {
-  TORCH_CHECK(feed.dim() == 2, "pagedkv: feed must have shape [rows, width], got ", feed.sizes());
-  const int64_t rows = feed.size(0);
-  check_feed(feed, rows);
-  const int64_t width = feed.size(1);
-  check_history(history, rows, width);
-  check_same_device(history, feed, "history", "feed");
+  const auto [rows, width] = check_feed_and_history(feed, history);
   check_rows_of(greedy, at::kLong, "greedy", feed, "feed", rows * width, "rows * width");
   check_rows_of(proposal_lens, at::kLong, "proposal_lens", feed, "feed", rows, "rows");
   check_rows_of(lengths, at::kLong, "lengths", feed, "feed", rows, "rows");
