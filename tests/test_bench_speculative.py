@@ -142,3 +142,18 @@ def test_truncated_draft(name):
     assert (getattr(target, PREPARED_ATTR), getattr(draft, PREPARED_ATTR)) == states
     with pytest.raises(ValueError, match="allowed: 1..2"):
         truncated_draft.truncated_draft(target, 3)
+
+
+def test_llm_prompt_lookup_small_run(tokenizer, tmp_path):
+    """bench_llm_prompt_lookup.py --small: a row per engine and HF's, the speculating engines'
+    tokens equal to the plain engine's (fp32), proposals made and some accepted."""
+    import bench_llm_prompt_lookup
+
+    result = bench_llm_prompt_lookup.main(["--small", "--out", str(tmp_path)])
+    assert result["equal"]
+    names = [row[0] for row in table_rows(tmp_path / "bench_llm_prompt_lookup.md")]
+    assert names == [bench_llm_prompt_lookup.PLAIN, bench_llm_prompt_lookup.GRAPHS,
+                     bench_llm_prompt_lookup.EAGER, bench_llm_prompt_lookup.HF]
+    for stats in result["stats"].values():
+        assert 0 < stats.accepted <= stats.proposed
+    assert (tmp_path / "bench_llm_prompt_lookup.png").exists()

@@ -76,6 +76,19 @@ def test_memory_fraction_of_available_cuda_memory():
     assert cache.num_blocks == int(available * 0.01) // spec.bytes_per_block
 
 
+@pytest.mark.cuda
+def test_a_larger_cache_after_a_freed_one_fits():
+    """The budget counts memory torch's allocator holds unused; a freed cache's segment is
+    smaller than a cache sized later from more free memory, so it must be handed back first
+    (else: out of memory with the memory counted as available)."""
+    first = KVCache(2, 2, 64, memory_fraction=0.5, device="cuda")
+    del first
+    second = KVCache(2, 2, 64, memory_fraction=0.9, device="cuda")
+    assert second.num_blocks > 0
+    del second
+    torch.cuda.empty_cache()
+
+
 def test_memory_fraction_counts_memory_torch_holds_unused(monkeypatch):
     # No GPU needed: the sizing reads only these three numbers. 1 GiB free on the device, and
     # torch's allocator holds 3 GiB of which 1 GiB is in use: 3 GiB are available to a cache.

@@ -1,7 +1,8 @@
 """Greedy prompt lookup with its rounds on the device (runtime/lookup_rounds.py): the tokens of
 non-speculative greedy decoding with graphs on and off, captured rounds reused by later calls of
 other prompts, batch sizes and max_new_tokens, padding rows of a batch bucket, an interrupt that
-leaves nothing held, and sampling / draft models kept on the host-read rounds."""
+leaves nothing held, and draft models kept on the host-read rounds (sampling:
+tests/test_lookup_sampling.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from conftest import DEVICES
 from models import tiny_model
 from pagedkv.runtime import fixed_batch, prompt_lookup
 from recording_streamer import RecordingStreamer
+from test_assistant_model import truncated
 from test_prompt_lookup import GREEDY, assert_cache_empty, batch, stats, walk, walker
 
 GRAPHS = [None, False]  # the default (graphs on CUDA) and eager rounds
@@ -120,12 +122,14 @@ def test_the_streamer_gets_the_decode_steps_columns(no_host_rounds, device):
     assert runs[0] == runs[1]
 
 
-def test_sampling_keeps_the_host_rounds(monkeypatch):
+def test_draft_models_keep_the_host_rounds(monkeypatch):
+    """Sampled prompt lookup runs on the device too (tests/test_lookup_sampling.py); a draft
+    model's proposals, greedy or sampled, are verified in the host-read rounds."""
     calls = []
     real = fixed_batch.run_prompt_lookup
     monkeypatch.setattr(fixed_batch, "run_prompt_lookup", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     model = walker()
-    torch.manual_seed(0)
-    pagedkv.generate(model, torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=6, do_sample=True,
-                     prompt_lookup_num_tokens=3)
-    assert calls and prompt_lookup.run_prompt_lookup is real
+    for do_sample in (False, True):
+        pagedkv.generate(model, torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=6, do_sample=do_sample,
+                         assistant_model=truncated(model))
+    assert len(calls) == 2 and prompt_lookup.run_prompt_lookup is real

@@ -15,6 +15,20 @@ namespace {
 constexpr int kWarps = 8;  // output rows per block
 constexpr int kThreads = kWarps * 32;
 
+// 16 bytes of expert weight, read once: through the non-coherent path and without allocating in
+// L1, which is left to what the warps share (as gemv.cu's load_streaming).
+template <typename V>
+__device__ __forceinline__ V load_streaming(const V* p) {
+  static_assert(sizeof(V) == 16, "16-byte vectors only");
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  V v;
+  *reinterpret_cast<uint4*>(&v) = r;
+  return v;
+}
+
 // (a . b1, a . b2) over n elements (kVec-element vectors), each summed per lane in order, then
 // over the warp (every lane gets both); one loop so that a lane's loads of both rows
 // (and of several of its vectors: unrolled) are in flight together.
@@ -133,6 +147,92 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
   if (threadIdx.x % 32 == 0) out[t * hidden + row] = from_float<T>(sum);
 }
 
+// moe_down_sum_kernel for batch-1-sized grids (experiment, lab/experiments/README.md): the default
+// kernel takes 215 registers in bf16 (the 8 experts' act and weight vectors, unpacked to fp32, all
+// live at once), so one 256-thread block fits an SM and Qwen3-30B-A3B's 256 blocks run as two
+// waves of 8 warps an SM. Here the token's k act rows are staged in shared memory once per block
+// (each of the 8 warps read all of them from L1/L2 before) and read one expert at a time as its
+// products are taken, the weights come through streaming loads after an L2 prefetch issued
+// before the staging, and __launch_bounds__(.., 2) holds it under 128 registers (118 on sm_90,
+// no spills): one wave of 16 warps an SM. The same products in the same order: bit for bit the
+// default kernel's results. 16-byte vectors only; shared memory: k * I * sizeof(T) bytes.
+template <typename T, typename W, int kVec>
+__global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
+    T* __restrict__ out,                 // [T, D]
+    const T* __restrict__ act,           // [T, k, I]
+    const T* __restrict__ down,          // [E, D, I]
+    const int64_t* __restrict__ ids,     // [T, k]
+    const W* __restrict__ weights,       // [T, k]
+    int64_t top_k, int64_t num_experts, int64_t hidden, int64_t intermediate) {
+  using V = Vec<T, kVec>;
+  extern __shared__ __align__(16) unsigned char staged_raw[];
+  V* staged = reinterpret_cast<V*>(staged_raw);  // [k, I / kVec]: act[t]
+  begin_dependent_kernel();
+  const int64_t t = blockIdx.x;
+  const int64_t row = static_cast<int64_t>(blockIdx.y) * kWarps + threadIdx.x / 32;
+  const int vecs = static_cast<int>(intermediate / kVec);
+  // The warp's k weight rows asked of L2 first (one 128-byte line a lane), so DRAM streams them
+  // while the block stages act; the loads below then find them in L2.
+  const int lines = static_cast<int>((intermediate * sizeof(T) + 127) / 128);
+  for (int64_t j = 0; row < hidden && j < top_k; ++j) {
+    const int64_t e = ids[t * top_k + j];
+    if (e < 0 || e >= num_experts) continue;
+    const char* d = reinterpret_cast<const char*>(down + (e * hidden + row) * intermediate);
+    for (int c = threadIdx.x % 32; c < lines; c += 32) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(d + c * 128));
+    }
+  }
+  const V* act_t = reinterpret_cast<const V*>(act + t * top_k * intermediate);
+  for (int i = threadIdx.x; i < top_k * vecs; i += kThreads) staged[i] = act_t[i];
+  __syncthreads();
+  if (row >= hidden) return;
+  float sum = 0.f;
+  for (int64_t j0 = 0; j0 < top_k; j0 += kDownGroup) {
+    const V* d_row[kDownGroup];  // row `row` of pair (t, j0 + g)'s expert's down
+    bool valid[kDownGroup];      // the same in every lane (one token's ids): shuffles below are safe
+    float part[kDownGroup];
+#pragma unroll
+    for (int g = 0; g < kDownGroup; ++g) {
+      const int64_t j = j0 + g;
+      const int64_t e = j < top_k ? ids[t * top_k + j] : -1;
+      valid[g] = e >= 0 && e < num_experts;
+      d_row[g] = reinterpret_cast<const V*>(down + ((valid[g] ? e : 0) * hidden + row) * intermediate);
+      part[g] = 0.f;
+    }
+    const V* a_base = staged + j0 * vecs;  // act of pair (t, j0 + g) at a_base + g * vecs
+    for (int i = threadIdx.x % 32; i < vecs; i += 32) {
+      V d[kDownGroup];
+#pragma unroll
+      for (int g = 0; g < kDownGroup; ++g) {
+        if (valid[g]) d[g] = load_streaming(&d_row[g][i]);
+      }
+      // act from shared memory one expert at a time, as its products are taken: only the
+      // weights' registers stay live across the loads' latency.
+#pragma unroll
+      for (int g = 0; g < kDownGroup; ++g) {
+        if (valid[g]) {
+          const V a = a_base[g * vecs + i];
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) part[g] = fmaf(to_float(a.v[v]), to_float(d[g].v[v]), part[g]);
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kDownGroup; ++g) {
+      if (!valid[g]) continue;
+      const float y = to_float(from_float<T>(warp_sum(part[g])));
+      // HF: expert output (dtype) * weight, in the weights' dtype; then an fp32 sum. No FMA.
+      const float weighted = to_float(from_float<W>(__fmul_rn(y, to_float(weights[t * top_k + j0 + g]))));
+      sum = __fadd_rn(sum, weighted);
+    }
+  }
+  if (threadIdx.x % 32 == 0) out[t * hidden + row] = from_float<T>(sum);
+}
+
+// The staged kernel's shared memory stays within the default 48 KB (no opt-in attribute): k * I
+// bf16 of Qwen3-30B-A3B (8 x 768) is 12 KB, Mixtral's (2 x 14336) 56 KB takes the default kernel.
+constexpr size_t kStagedMaxBytes = 48 * 1024;
+
 unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kWarps - 1) / kWarps); }
 
 }  // namespace
@@ -175,6 +275,11 @@ cudaError_t moe_down_sum(void* out, const void* act, const void* down, const int
     auto run = [&](auto weight_tag) {
       using W = decltype(weight_tag);
       auto* w = static_cast<const W*>(weights);
+      const size_t staged_bytes = static_cast<size_t>(top_k * intermediate) * sizeof(T);
+      if (vectorized && staged_bytes <= kStagedMaxBytes) {
+        return launch_dependent(moe_down_sum_staged_kernel<T, W, kVec>, grid, kThreads, staged_bytes, stream, o,
+                                a, d, expert_ids, w, top_k, num_experts, hidden, intermediate);
+      }
       if (vectorized) {
         return launch_dependent(moe_down_sum_kernel<T, W, kVec>, grid, kThreads, 0, stream, o, a, d,
                                 expert_ids, w, top_k, num_experts, hidden, intermediate);

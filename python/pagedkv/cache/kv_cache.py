@@ -278,6 +278,11 @@ class KVCache:
         """Free blocks appending num_tokens to each sequence would take (copy-on-write included)."""
         return self.manager.blocks_needed_to_append(seq_ids, num_tokens)
 
+    @property
+    def max_step_tokens(self) -> int:
+        """Most new tokens of one build_metadata call, padding included."""
+        return self._max_step_tokens
+
     def step_capacity_fits(self, num_seqs: int, num_tokens: int) -> bool:
         """Whether one build_metadata call may hold num_seqs rows and num_tokens new tokens."""
         return num_seqs <= self._max_batch_size and num_tokens <= self._max_step_tokens
@@ -289,12 +294,16 @@ class KVCache:
         query_lens: Sequence[int] | None = None,
         padded_batch: int | None = None,
         pad_query_len: int = 1,
+        padded_tokens: int | None = None,
     ) -> StepMetadata:
         """Metadata of one step over seq_ids, whose slots are already reserved. query_lens[i]:
         the new tokens of sequence i (its last ones); None for decode (1 each). padded_batch:
         rows including padding (a CUDA-graph bucket), default len(seq_ids), each padding row of
-        pad_query_len tokens that attend to nothing and write nothing. Built in C++ into a
-        pinned buffer and sent to the device in one non-blocking copy."""
+        pad_query_len tokens that attend to nothing and write nothing. padded_tokens: the token
+        fields padded to this many (a CUDA graph of a step's tokens run as decode rows: rows of
+        any lengths, tokens to a bucket), the ones past query_start_loc[padded_batch] of no row
+        (slot -1, position 0). Built in C++ into a pinned buffer (the token padding written there
+        by the host) and sent to the device in one non-blocking copy."""
         padded = len(seq_ids) if padded_batch is None else padded_batch
         if self._buffers is None:
             self._buffers = StepBuffers(self._layout, self.device)
@@ -302,5 +311,12 @@ class KVCache:
         buffers.wait_until_reusable()
         num_tokens, max_query_len, max_context_len = self.manager.build_step(
             buffers.layout, buffers.host, seq_ids, query_lens, padded, pad_query_len)
+        if padded_tokens is not None and padded_tokens != num_tokens:
+            if not num_tokens < padded_tokens <= self._max_step_tokens:
+                raise ValueError(f"pagedkv: padded_tokens = {padded_tokens} must be in [{num_tokens}, "
+                                 f"{self._max_step_tokens}] (the step's tokens with its padding rows', "
+                                 "max_step_tokens)")
+            buffers.pad_tokens(num_tokens, padded_tokens)
+            num_tokens = padded_tokens
         buffers.upload(padded)
         return buffers.metadata(len(seq_ids), padded, num_tokens, max_query_len, max_context_len)

@@ -90,6 +90,11 @@ def num_blocks_for(
             )
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"pagedkv: memory_fraction must be in (0, 1], got {memory_fraction}")
+        # A freed cache stays reserved in torch's allocator as one segment of its own size, which
+        # free_memory_bytes counts as available; a new cache a little larger than it (the budget
+        # grows as other memory is freed) cannot use it and would need device memory that is not
+        # free. Handing the unused segments back first makes what is counted what can be taken.
+        torch.cuda.empty_cache()
         available = free_memory_bytes(device)
         memory_bytes = int(available * memory_fraction)
         logger.debug("cache budget: %.3g GB, %s of the %.3g GB available on %s", memory_bytes / 1e9,

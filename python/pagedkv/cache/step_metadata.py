@@ -17,7 +17,9 @@ class StepMetadata:
 
     For each scheduled sequence (row) i, its last ``query_len_i`` tokens are the step's new tokens:
     their slots were reserved by add/append, and the step writes their K/V before attention.
-    Padding rows (padded_batch > num_seqs) have context length 0 and one padding token each.
+    Padding rows (padded_batch > num_seqs) have context length 0 and one padding token each
+    (pad_query_len); padding tokens past query_start_loc[padded_batch] (padded_tokens) are of no
+    row. Every padding token has slot -1 and position 0.
     """
 
     block_tables: torch.Tensor  # [padded_batch, max_blocks_per_seq]; entries past a row's used
@@ -57,6 +59,13 @@ class StepBuffers:
         n = self.layout.used_size(padded_batch)
         self.device[:n].copy_(self.host[:n], non_blocking=True)
         self._copied.record()
+
+    def pad_tokens(self, start: int, end: int) -> None:
+        """Tokens [start, end) of the host buffer as padding: slot -1 (written nowhere, attending
+        to nothing), position 0. Before upload(), which copies them with the rest."""
+        layout = self.layout
+        self.host[layout.slot_mapping + start: layout.slot_mapping + end] = -1
+        self.host[layout.positions + start: layout.positions + end] = 0
 
     def metadata(self, num_seqs: int, padded_batch: int, num_tokens: int, max_query_len: int,
                  max_context_len: int) -> StepMetadata:

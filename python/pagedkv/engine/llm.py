@@ -63,9 +63,9 @@ class LLM(BatchAPI):
     free, plus what torch's allocator holds unused; default 0.9 on CUDA, 256 MiB on CPU) or
     ``num_kv_blocks``. max_model_len: longest sequence, prompt + output (default: the model's
     limit, at most the cache's capacity). kv_cache_dtype, kv_cache_scales: as generate()'s, not "calibrate".
-    use_cuda_graphs: replay decode-only steps as CUDA graphs, one per batch bucket (default on
-    for CUDA models). overlap_steps: launch each step before the previous one's tokens are read
-    back (default on for CUDA models; off, every step waits for the one before).
+    use_cuda_graphs: replay decode-only steps and verification steps without a prefill chunk as
+    CUDA graphs (default on for CUDA models). overlap_steps: launch each step before the previous
+    one's tokens are read back (default on for CUDA models; off, every step waits for the one before).
     Speculative decoding (engine/speculation.py; steps run serially): HF's prompt lookup
     (prompt_lookup_num_tokens k >= 1, max_matching_ngram_size), or a draft model on its own cache
     (assistant_model, num_assistant_tokens); a request's SamplingParams may override k.
@@ -340,8 +340,7 @@ class LLM(BatchAPI):
         if step.watched:  # stop strings, logprobs
             read_watched(step.watched, step.read_logprobs(), self.scheduler, finished, self.tokenizer)
         if self.speculation is not None:  # verification rows: several tokens each
-            more, verified = self.speculation.read_back(step.verify, self.scheduler, finished,
-                                                        self.tokenizer)
+            more, verified = self.speculation.read_back(step.verify, self.scheduler, finished, self.tokenizer)
             got += more
             self.stats.num_generated_tokens += verified - len(more)
         if self._launched and not self._launched[0].has_live_samples():
@@ -357,9 +356,9 @@ class LLM(BatchAPI):
         """Queue the forward and sampling of one step. Advances num_computed, forks n > 1
         samples once their prompt is computed."""
         decodes, prefills, proposals = sched.decodes, sched.prefills, sched.proposals
-        decode_only = not proposals and all(r.num_new == 1 and (self.runner.model.rope is None  # by length: S =
-                                                                or r.seq.num_computed + 1 >= r.seq.prompt_len)  # position + 1
-                                            for r in prefills)
+        one_token = all(r.num_new == 1 and (self.runner.model.rope is None  # by length: S = position + 1
+                                            or r.seq.num_computed + 1 >= r.seq.prompt_len) for r in prefills)
+        decode_only = one_token and not proposals
         seq_ids = sched.decode_ids + [r.seq.seq_id for r in prefills] if prefills else sched.decode_ids
         # A decode row feeds its last token and samples; one verifying a proposal feeds both.
         tokens, lens, logits_rows, samplers, verify = decode_rows(decodes, sched.decode_tokens, proposals)
@@ -372,7 +371,8 @@ class LLM(BatchAPI):
                 samplers.append(r.seq)
         pending = pending_inputs(decodes, self._launched[-1]) if self._launched and decodes else None
         bases = None if decode_only else [s.prompt_len for s in decodes] + [r.seq.prompt_len for r in prefills]
-        logits = self.runner.run(StepInput(seq_ids, tokens, query_lens, logits_rows, pending, bases))  # [S, V]
+        run = self.runner.run_decode_rows if proposals and one_token else self.runner.run  # no prefill chunk
+        logits = run(StepInput(seq_ids, tokens, query_lens, logits_rows, pending, bases))  # [S, V]
         for seq in decodes:
             seq.num_computed += 1
         for r in prefills:

@@ -8,15 +8,18 @@ Each step, after the scheduler reserved the decode rows' slots, every speculatin
 a proposal (Scheduler(propose=...)): up to k tokens, never more than its request's remaining
 tokens minus one nor the step's left budget, its slots reserved (shrunk to what fits). The step
 runs verification rows (last token + proposal, k_i + 1 query tokens) beside ordinary decode rows
-and prefill chunks, in one ModelRunner.run. Then each verification row accepts (greedy: the
-longest prefix equal to the target's greedy tokens, taken as the sampler takes them, then the
-next greedy token; sampling: speculative_rows.py), gives the rejected slots back
-(KVCache.truncate) and appends its tokens one by one under the read-back's stop rule (stop ids,
-max_tokens, stop strings). Ordinary rows sample as in any step, so a request that proposes
-nothing in a step gets the token it would get without speculation.
+and prefill chunks. Without a prefill chunk (ModelRunner.run_decode_rows) each of its tokens runs
+as a decode row of its own, replayed on CUDA as a CUDA graph per row and token bucket
+(PAGEDKV_VERIFY_GRAPHS=0: eagerly); with one, the step is prefill-shaped and eager
+(ModelRunner.run). Then each verification row accepts (greedy: the longest prefix equal to the
+target's greedy tokens, taken as the sampler takes them, then the next greedy token; sampling:
+speculative_rows.py), gives the rejected slots back (KVCache.truncate) and appends its tokens one
+by one under the read-back's stop rule (stop ids, max_tokens, stop strings). Ordinary rows sample
+as in any step, so a request that proposes nothing in a step gets the token it would get without
+speculation.
 
 A step's acceptance decides the next step's rows, so with speculation the engine runs its steps
-serially (no overlap_steps); verification steps run eagerly, decode-only steps as CUDA graphs.
+serially (no overlap_steps).
 """
 
 from __future__ import annotations

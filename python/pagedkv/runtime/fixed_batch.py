@@ -4,8 +4,8 @@ generation's slots are reserved after them, and each decode step
 (forward, logits processing, sampling, and the advance of positions and slots) runs on the device
 with no host work, replayed as one CUDA graph per batch bucket and settings.
 
-The host keeps one decode step queued ahead of it (runtime/decode_read_back.py). Greedy prompt
-lookup runs its rounds on the device too (runtime/lookup_rounds.py); sampling and draft models
+The host keeps one decode step queued ahead of it (runtime/decode_read_back.py). Prompt lookup,
+greedy or sampled, runs its rounds on the device too (runtime/lookup_rounds.py); draft models
 verify in rounds read back on the host (runtime/prompt_lookup.py).
 """
 
@@ -124,7 +124,7 @@ class FixedBatch:
         self.kv_dtype = model.dtype  # the cache's: generate()'s kv_cache_dtype, set per call
         self.kv_scales: list[tuple[float, float]] | None = None  # an fp8 cache's (cache/kv_dtype.py)
         self.last_prompt_lookup: LookupStats | None = None  # the last prompt-lookup call's counts
-        self._lookup = DeviceLookup()  # greedy prompt lookup's captured rounds
+        self._lookup = DeviceLookup()  # prompt lookup's captured rounds
 
     def note_weights(self, version: int) -> None:
         """Drop the cached K/V when the weights were written in place since the last call
@@ -166,11 +166,11 @@ class FixedBatch:
         runner.cache.free_all(keep_cached=False)
         seq_ids = list(range(len(prompts) * n))
         try:
-            if lookup and (proposer is not None or settings.do_sample):  # rounds read back; rows freed there
+            if lookup and proposer is not None:  # a draft's rounds read back; rows freed there
                 new_tokens, self.last_prompt_lookup = run_prompt_lookup(runner, seq_ids, prompts, settings,
                                                                         streamer, input_ids, proposer, graphs)
                 return new_tokens
-            if lookup:  # greedy prompt lookup: rounds on the device (runtime/lookup_rounds.py)
+            if lookup:  # prompt lookup: rounds on the device (runtime/lookup_rounds.py)
                 new_tokens, self.last_prompt_lookup = self._lookup.run(runner, seq_ids, prompts, settings,
                                                                        streamer, input_ids, graphs)
             else:

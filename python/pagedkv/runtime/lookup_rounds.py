@@ -1,6 +1,6 @@
-"""Greedy prompt lookup with every round on the device: generate()'s path for
-prompt_lookup_num_tokens with do_sample=False (sampling and draft models take
-runtime/prompt_lookup.py's rounds, which read each round's tokens back to the host).
+"""Prompt lookup with every round on the device: generate()'s path for prompt_lookup_num_tokens,
+greedy or sampled (draft models take runtime/prompt_lookup.py's rounds, which read each round's
+tokens back to the host).
 
 A round is one fixed sequence of device work, replayed as one CUDA graph on CUDA:
   1. ops.lookup_propose: each live row's feed of `width` tokens (its last token, up to k tokens
@@ -8,11 +8,23 @@ A round is one fixed sequence of device work, replayed as one CUDA graph on CUDA
      one decode row per fed token (positions, slots, context = position + 1);
   2. the model's forward over those rows (each token attends to its row's cache up to itself:
      runner.tokens_as_decode_rows' layout, the block tables expanded once per call);
-  3. the greedy token at every position (argmax, which is what the decode step's Sampler takes;
-     with min_new_tokens the Sampler itself, EOS suppression counted per position);
-  4. ops.lookup_accept: the longest agreeing prefix of the proposal plus the next greedy token
-     appended to the row's history, cut at EOS and max_new_tokens; done rows stop.
-The tokens are therefore those of non-speculative greedy decoding. Rejected positions' K/V stay
+  3. the decode step's token at every position: greedy, argmax (what the decode step's Sampler
+     takes; with min_new_tokens the Sampler itself, EOS suppression counted per position); sampled,
+     the Sampler's draw with the row's seed at offset = the index of the token drawn there, which
+     is exactly what a decode step draws for that token given the same tokens before it;
+  4. ops.lookup_accept: the longest agreeing prefix of the proposal plus the next token appended
+     to the row's history, cut at EOS and max_new_tokens; done rows stop.
+The tokens are therefore those of non-speculative greedy decoding, or with do_sample=True those of
+non-speculative sampling with the same seeds (the same draws up to the logits' rounding). Drawing
+x_j from p_j at every position and accepting the proposal while x_j = d_{j+1} is the standard
+speculative-sampling rule for a point-mass draft (runtime/speculative_sampling.py) itself: d_{j+1}
+is accepted with probability p_j(d_{j+1}); at the first rejection x_j is p_j's draw given x_j !=
+d_{j+1}, i.e. from the residual (p_j without d_{j+1}, renormalised); with all m accepted, x_m is the
+bonus token from p_m; positions after the first rejection are not looked at. The draws are
+counter-based (ops.sample: seed, offset), so a captured round needs no generator state, and a seed
+drawn from torch's global RNG per row reproduces a call (torch.manual_seed), captured or not.
+A sampled row whose drawn position has NaN/inf logits gets ops.sample's -1: the round marks it
+bad and done, and the host raises on reading the flags back. Rejected positions' K/V stay
 in the reserved slots and are written again by the next round before anything reads them (a
 round starts at the row's last emitted token; attention reads up to each token's own position).
 
@@ -34,6 +46,7 @@ from pagedkv.layers.attention import ForwardMetadata
 from pagedkv.runtime.prompt_lookup import LookupSettings, LookupStats, prefill_rows
 from pagedkv.runtime.runner import ModelRunner, bucket, capture_step
 from pagedkv.runtime.sampler import Sampler
+from pagedkv.runtime.speculative_sampling import nan_logits_error
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +60,7 @@ class RoundKey:
     max_ngram: int
     min_new: int
     eos_ids: tuple[int, ...]
+    do_sample: bool  # temperature, top-k and top-p are the sampler's buffers, filled per call
 
 
 class RoundState:
@@ -60,6 +74,7 @@ class RoundState:
         self.generated = torch.zeros(rows, **i64)  # [R]: emitted tokens
         self.max_new = torch.zeros(rows, **i64)  # [R]: the call's max_new_tokens
         self.done = torch.ones(rows, dtype=torch.bool, device=device)  # [R]: padding rows stay done
+        self.bad = torch.zeros(rows, dtype=torch.bool, device=device)  # [R]: drew from NaN/inf logits
         self.stats = torch.zeros(rows, 3, **i64)  # [R, 3]: rounds, proposed, accepted
         self.block_tables = torch.zeros(rows, key.max_blocks, **i32)  # [R, MB]
         self.token_tables = torch.zeros(rows * width, key.max_blocks, **i32)  # [R * W, MB]: a row's per token
@@ -94,6 +109,7 @@ class RoundState:
         self.max_new.fill_(max_new)
         self.done.fill_(True)
         self.done[:batch].copy_(torch.tensor([t in eos_ids or max_new == 1 for t in first]))
+        self.bad.zero_()
         self.stats.zero_()
 
     def metadata(self) -> ForwardMetadata:
@@ -102,7 +118,7 @@ class RoundState:
 
 
 class DeviceLookup:
-    """generate()'s greedy prompt lookup on one FixedBatch's runner: rounds captured per RoundKey,
+    """generate()'s prompt lookup on one FixedBatch's runner: rounds captured per RoundKey,
     each with its buffers (a graph is replayed only with the buffers it captured)."""
 
     def __init__(self) -> None:
@@ -128,12 +144,12 @@ class DeviceLookup:
         max_blocks = 1 << (max(map(len, tables)) - 1).bit_length()  # calls of similar lengths share a graph
         # k + 1 tokens a row: one graph per k, so no padding to runtime/prompt_lookup's widths
         key = RoundKey(bucket(batch) if graphs else batch, k + 1, max_blocks, k,
-                       settings.max_matching_ngram_size, settings.min_new_tokens, eos_ids)
+                       settings.max_matching_ngram_size, settings.min_new_tokens, eos_ids, settings.do_sample)
         replay, state, sampler = self._round(runner, key, graphs)
-        zero = torch.zeros(batch, dtype=torch.int32, device=device)
-        first = sampler(logits, zero).tolist()  # the prompts' greedy tokens (one read-back)
+        first = _first_tokens(sampler, logits, settings, key.width)  # one read-back
         state.start(prompts, first, tables, max_new, eos_ids)
-        _read_back(replay, state, batch, device, streamer, input_ids, prompts, settings.pad_token_id)
+        _read_back(replay, state, batch, device, streamer, input_ids, prompts, settings.pad_token_id,
+                   settings.do_sample)
         return _finish(state, prompts, settings.pad_token_id)
 
     def _round(self, runner: ModelRunner, key: RoundKey, graphs: bool):
@@ -145,7 +161,7 @@ class DeviceLookup:
         state = RoundState(key, block_size, runner.device)
         sampler = Sampler(key.rows * key.width, runner.device, min_new_tokens=key.min_new,
                           eos_token_ids=key.eos_ids)
-        sampler.fill(0.0, 0, 1.0)
+        sampler.fill(1.0 if key.do_sample else 0.0, 0, 1.0)  # the call's values come in _first_tokens
         suppress = sampler.min_new_tokens > 0
 
         def one_round() -> None:
@@ -154,12 +170,19 @@ class DeviceLookup:
                                state.slot_mapping, state.context_lens, state.max_new, key.k,
                                key.max_ngram, block_size)
             logits = runner.decoder.forward(state.feed.view(-1), state.metadata())  # [R * W, V]
-            if suppress:  # tokens a row had emitted before each position: min_new_tokens' EOS suppression
-                greedy = sampler(logits, (state.generated.unsqueeze(1) + state.steps).view(-1).int())  # [R * W]
+            if key.do_sample or suppress:  # min_new_tokens' EOS suppression is counted per position
+                before = (state.generated.unsqueeze(1) + state.steps).view(-1)  # [R * W]: tokens emitted before each
+                if key.do_sample:  # each position draws with its token's index, as that decode step would
+                    sampler.offsets.copy_(before)
+                tokens = sampler(logits, before.int())  # [R * W]; sampled, -1 where NaN/inf logits
             else:  # the sampler's greedy token is exactly argmax; one reduction instead of its passes
-                greedy = logits.argmax(-1)  # [R * W]
-            ops.lookup_accept(greedy, state.feed, state.proposal_lens, state.eos_ids, state.history,
+                tokens = logits.argmax(-1)  # [R * W]
+            ops.lookup_accept(tokens, state.feed, state.proposal_lens, state.eos_ids, state.history,
                               state.lengths, state.generated, state.done, state.stats, state.max_new)
+            if key.do_sample:  # a -1 drawn is only ever emitted last (a proposal token is >= 0)
+                last = state.history.gather(1, (state.lengths - 1).clamp(min=0).unsqueeze(1))  # [R, 1]
+                state.bad.logical_or_(last.squeeze(1) < 0)
+                state.done.logical_or_(state.bad)  # never fed: the host raises on the flag
 
         if not graphs:
             return one_round, state, sampler
@@ -172,12 +195,34 @@ class DeviceLookup:
         return captured.replay, state, sampler
 
 
+def _first_tokens(sampler: Sampler, logits: torch.Tensor, settings: LookupSettings, width: int) -> list[int]:
+    """The prompts' next tokens (logits [B, V]) as a decode step takes them, the call's sampling
+    settings filled in. Sampled: each row's seed drawn from torch's global RNG, as the decode
+    path draws its rows' (torch.manual_seed reproduces a call), then laid out over the row's
+    `width` positions for the rounds; NaN/inf logits raise."""
+    batch = logits.shape[0]
+    sampler.fill(settings.temperature if settings.do_sample else 0.0, settings.top_k, settings.top_p)
+    zero = torch.zeros(batch, dtype=torch.int32, device=logits.device)  # [B]: tokens emitted so far
+    if not settings.do_sample:
+        return sampler(logits, zero).tolist()
+    seeds = torch.randint(0, 2**62, (batch,))  # [B]
+    sampler.seeds[:batch].copy_(seeds)
+    sampler.offsets[:batch].zero_()  # the first token's index
+    first = sampler(logits, zero).tolist()
+    if min(first) < 0:  # ops.sample's -1: no distribution
+        raise nan_logits_error([b for b, t in enumerate(first) if t < 0], "the batch")
+    sampler.seeds.zero_()
+    sampler.seeds[:batch * width].copy_(seeds.repeat_interleave(width))  # [B * W]: row b's at b * W ..
+    return first
+
+
 def _read_back(replay, state: RoundState, batch: int, device: torch.device, streamer,
-               input_ids: torch.Tensor, prompts: list[list[int]], pad: int | None) -> None:
+               input_ids: torch.Tensor, prompts: list[list[int]], pad: int | None, sampled: bool) -> None:
     """Replays rounds until every row is done, reading each round's done flags back one round
-    behind (the only host sync; with a streamer, the rows' tokens too)."""
+    behind (the only host sync; with a streamer, the rows' tokens too; sampled, the bad flags:
+    raised on at once)."""
     cuda = device.type == "cuda"
-    slots = [_Readback(batch, state.history.shape[1], cuda, streamer is not None) for _ in range(2)]
+    slots = [_Readback(batch, state.history.shape[1], cuda, streamer is not None, sampled) for _ in range(2)]
     stream = _Stream(streamer, input_ids, prompts, pad)
     try:  # the streamer gets end() however the loop ends, so that its reader is released
         for launched in itertools.count():
@@ -189,13 +234,14 @@ def _read_back(replay, state: RoundState, batch: int, device: torch.device, stre
                 continue
             previous = slots[(launched - 1) % 2]  # the round before: the device runs this one meanwhile
             previous.wait()
+            previous.raise_if_bad()
             stream.send(previous)
             if bool(previous.done.all()):
                 break
         if streamer is not None:  # what the last rounds emitted
             if cuda:
                 torch.cuda.current_stream().synchronize()
-            last = _Readback(batch, state.history.shape[1], False, True)
+            last = _Readback(batch, state.history.shape[1], False, True, False)
             last.take(state, batch)
             stream.send(last)
     finally:
@@ -209,8 +255,9 @@ class _Readback:
     """Host copies of one round's done flags (and, for a streamer, emitted counts and histories),
     pinned on CUDA, and the event after them."""
 
-    def __init__(self, batch: int, length: int, cuda: bool, tokens: bool):
+    def __init__(self, batch: int, length: int, cuda: bool, tokens: bool, sampled: bool):
         self.done = torch.empty(batch, dtype=torch.bool, pin_memory=cuda)  # [B]
+        self.bad = torch.empty(batch, dtype=torch.bool, pin_memory=cuda) if sampled else None  # [B]
         self.generated = torch.empty(batch, dtype=torch.int64, pin_memory=cuda) if tokens else None  # [B]
         self.history = torch.empty(batch, length, dtype=torch.int64, pin_memory=cuda) if tokens else None  # [B, L]
         self.event = torch.cuda.Event() if cuda else None
@@ -219,6 +266,8 @@ class _Readback:
         """Queue the copies behind the rounds launched so far."""
         cuda = self.event is not None
         self.done.copy_(state.done[:batch], non_blocking=cuda)
+        if self.bad is not None:
+            self.bad.copy_(state.bad[:batch], non_blocking=cuda)
         if self.history is not None:
             self.generated.copy_(state.generated[:batch], non_blocking=cuda)
             self.history.copy_(state.history[:batch], non_blocking=cuda)
@@ -228,6 +277,11 @@ class _Readback:
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+    def raise_if_bad(self) -> None:
+        """After wait(): a row that drew from NaN/inf logits raises (its history ends in -1)."""
+        if self.bad is not None and bool(self.bad.any()):
+            raise nan_logits_error(self.bad.nonzero().flatten().tolist(), "the batch")
 
 
 def _finish(state: RoundState, prompts: list[list[int]], pad: int | None) -> tuple[torch.Tensor, LookupStats]:

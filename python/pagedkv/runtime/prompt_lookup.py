@@ -15,7 +15,9 @@ accepted with its target probability, the next token drawn from the residual or 
 target). The rejected tokens' slots are given back (KVCache.truncate), so the cache holds
 exactly the row's fed tokens. EOS and max_new_tokens end a row inside a round as they end it
 in a decode step. One host read-back per round; on CUDA each round's step is padded to one
-width a row and replayed as a CUDA graph (runner.run_rows_of).
+width a row and replayed as a CUDA graph (runner.run_rows_of). generate() runs these rounds for
+draft models (runtime/draft_model.py); its n-gram lookup, greedy or sampled, keeps every round on
+the device (runtime/lookup_rounds.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ tokens (a prompt, a prefill chunk after cached context, a prefix-cache hit's rem
 decode token). The runner builds the step's metadata through the cache (KVCache.build_metadata,
 the one metadata builder), runs the forward, and returns the logits of the rows asked for. A
 decode-only step (one token per row) is padded to a batch bucket and, on CUDA, replayed as a
-CUDA graph (runtime/graphs.py, the one capture place); steps with longer rows run eagerly.
+CUDA graph (runtime/graphs.py, the one capture place). A speculative verification step (rows of a
+last token and a proposal, beside one-token decode rows: run_rows_of, run_decode_rows) runs each
+token as a decode row of its own and is replayed as a graph too; steps with a prefill chunk run
+eagerly.
 
 generate()'s fixed batch (runtime/fixed_batch.py) and pagedkv.LLM (engine/llm.py) both run on
 this class: the prefill of generate() is a step like the engine's, and its decode steps capture
@@ -48,6 +51,20 @@ def bucket(batch: int, limit: int | None = None) -> int:
     return padded if limit is None else max(min(padded, limit), batch)
 
 
+def decode_rows_padding(num_rows: int, num_tokens: int, max_batch: int | None, max_step_tokens: int
+                        ) -> tuple[int, int]:
+    """(rows, tokens) a step of num_rows decode rows of num_tokens tokens in all pads to for its
+    CUDA graph (run_decode_rows): rows to a batch bucket (at most max_batch), each padding row of
+    one token, unless they do not fit max_step_tokens; tokens, theirs included, to a batch bucket,
+    past the largest to a multiple of 64 (at most max_step_tokens): a few graphs cover all steps."""
+    rows = bucket(num_rows, max_batch)
+    if num_tokens + rows - num_rows > max_step_tokens:
+        rows = num_rows
+    tokens = num_tokens + rows - num_rows
+    padded = bucket(tokens) if tokens <= BATCH_BUCKETS[-1] else -(-tokens // 64) * 64
+    return rows, max(min(padded, max_step_tokens), tokens)
+
+
 def cuda_graphs_wanted(requested: bool | None, model: PreparedModel, caller: str) -> bool:
     """A use_cuda_graphs argument resolved: None means on for CUDA models that allow graphs;
     True raises off CUDA and for a model whose decode step failed to capture (graphs_allowed),
@@ -68,9 +85,10 @@ def verify_graphs_wanted(device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def graph_steps(runners: Iterable[ModelRunner], on: bool) -> Iterator[None]:
-    """Within: the runners' steps (decode steps of run(), run_rows_of's verification steps) replay
-    as CUDA graphs if `on` (and their model allows it); after, each runner as it was. generate()'s
-    runners run eagerly outside a call that wants them (its own decode graphs sample inside)."""
+    """Within: the runners' steps (decode steps of run(), verification steps of run_rows_of and
+    run_decode_rows) replay as CUDA graphs if `on` (and their model allows it); after, each runner
+    as it was. generate()'s runners run eagerly outside a call that wants them (its own decode
+    graphs sample inside)."""
     runners = list(runners)
     saved = [r.use_cuda_graphs for r in runners]
     for r in runners:
@@ -208,7 +226,7 @@ class ModelRunner:
             self.decoder = PagedDecoder(model.weights, model.cos_sin, cache.k_caches, cache.v_caches,
                                         tp=model.tp, rope=model.rope)
         self.use_cuda_graphs = use_cuda_graphs  # for run()'s decode steps
-        # run_rows_of()'s verification steps as graphs too (PAGEDKV_VERIFY_GRAPHS=0 runs them eagerly)
+        # verification steps (run_rows_of, run_decode_rows) as graphs too (PAGEDKV_VERIFY_GRAPHS=0: eagerly)
         self.verify_graphs = verify_graphs_wanted(model.device)
         self.insist_graphs = insist_graphs  # generate() sets it per call (fixed_batch.py)
         self.graphs = CudaGraphs() if model.device.type == "cuda" else None
@@ -251,19 +269,53 @@ class ModelRunner:
         padded = bucket(num_rows, self.max_batch) if graphs else None
         meta = self.cache.build_metadata(step.seq_ids, [width] * num_rows, padded, pad_query_len=width)
         ids = host_tensor(step.token_ids + [0] * (meta.num_tokens - len(step.token_ids)), self.device)
-        key = ("verify", padded, width)
-        captured = self.graphs.get(key) if graphs else None
-        if graphs and captured is None:
+        key = ("verify", padded, width) if graphs else None
+        return self._as_decode_rows(meta, ids, key, None)[:num_rows * width]
+
+    def run_decode_rows(self, step: StepInput) -> torch.Tensor:
+        """Logits [R, V] of step.logits_rows (all T tokens when None) of a step whose rows are all
+        decode rows of step.query_lens tokens each (pagedkv.LLM's verification rows, a row's last
+        token and its proposal, beside ordinary decode rows of one token; no prefill chunk), each
+        token run as a decode row of its own (tokens_as_decode_rows). With verification graphs on
+        (verify_graphs_wanted) the step is padded (decode_rows_padding: rows to a bucket, tokens
+        to a bucket) and replayed as a CUDA graph per (row bucket, token bucket). The result may
+        view a graph's output: read it before the next step."""
+        num_rows, num_tokens = len(step.seq_ids), len(step.token_ids)
+        if step.query_lens is None or sum(step.query_lens) != num_tokens:
+            raise ValueError(f"pagedkv: run_decode_rows needs query_lens summing to the step's "
+                             f"{num_tokens} tokens, got {step.query_lens}")
+        graphs = self.verify_graphs and self.use_cuda_graphs
+        rows = tokens = None
+        if graphs:
+            rows, tokens = decode_rows_padding(num_rows, num_tokens, self.max_batch, self.cache.max_step_tokens)
+        meta = self.cache.build_metadata(step.seq_ids, step.query_lens, rows, padded_tokens=tokens)
+        ids = host_tensor(step.token_ids + [0] * (meta.num_tokens - num_tokens), self.device)
+        full = self._as_decode_rows(meta, ids, ("decode_rows", rows, tokens) if graphs else None,
+                                    step.pending)  # [meta.num_tokens, V]
+        if step.logits_rows is None or step.logits_rows == list(range(num_tokens)):
+            return full[:num_tokens]
+        return full[to_device(step.logits_rows, self.device)]
+
+    def _as_decode_rows(self, meta: StepMetadata, ids: torch.Tensor, key: Hashable | None,
+                        pending: PendingTokens | None) -> torch.Tensor:
+        """Logits [meta.num_tokens, V] of every token of the step, each run as a decode row of its
+        own; replayed as the CUDA graph of `key` (captured at its first use), eagerly if None. A
+        key names the metadata's shape: one graph is replayed only over views laid out as when
+        it was captured (the step buffer's, at fixed addresses)."""
+        captured = self.graphs.get(key) if key is not None else None
+        if key is not None and captured is None:
             static_ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
             # The warm-up writes this step's K/V with token 0; the replay below rewrites them.
             captured = capture_step(self, key, lambda: self.decoder.forward(
-                static_ids, tokens_as_decode_rows(meta, width)), buffers=static_ids)
+                static_ids, tokens_as_decode_rows(meta)), buffers=static_ids)
             if captured is None:  # a fallback model that cannot be captured: eager from now on
                 self.use_cuda_graphs = False
         if captured is None:
-            return self.decoder.forward(self._on_device(ids, None), tokens_as_decode_rows(meta, width))[:num_rows * width]
+            return self.decoder.forward(self._on_device(ids, pending), tokens_as_decode_rows(meta))
         captured.buffers.copy_(ids, non_blocking=True)
-        return captured.replay()[:num_rows * width]
+        if pending is not None:
+            pending.fill(captured.buffers)
+        return captured.replay()
 
     def _rope_lens(self, step: StepInput, positions: torch.Tensor) -> torch.Tensor:
         """[T] each token's S (length-dependent rope): max(position + 1, its row's base)."""
@@ -302,14 +354,17 @@ class ModelRunner:
         return step.replay()
 
 
-def tokens_as_decode_rows(meta: StepMetadata, width: int) -> ForwardMetadata:
-    """A step whose rows compute `width` tokens each, as a decode step of one row per token:
-    token j of a row attends to its sequence's first position + 1 slots through its row's block
-    table (the step's earlier tokens included: every token's K/V is written before attention
-    reads). Decode attention's fixed cost a layer is well under prefill attention's for few-token
-    rows, which on a small model is most of a verification step. Padding tokens (slot -1) attend
-    to nothing. Device ops only, so a captured graph recomputes them from the step's metadata."""
-    rows = torch.arange(meta.positions.shape[0], device=meta.positions.device) // width  # [T]
+def tokens_as_decode_rows(meta: StepMetadata) -> ForwardMetadata:
+    """A step of rows of any number of tokens as a decode step of one row per token: token j of a
+    row attends to its sequence's first position + 1 slots through its row's block table (the
+    step's earlier tokens included: every token's K/V is written before attention reads). Decode
+    attention's fixed cost a layer is well under prefill attention's for few-token rows, which on
+    a small model is most of a verification step. A token's row is found in query_start_loc;
+    padding tokens (slot -1: of padding rows, or past the last row) attend to nothing. Device ops
+    only, so a captured graph recomputes them from the step's metadata."""
+    starts = meta.query_start_loc  # [P + 1]
+    tokens = torch.arange(meta.positions.shape[0], dtype=starts.dtype, device=starts.device)  # [T]
+    rows = torch.searchsorted(starts[1:], tokens, right=True).clamp_(max=starts.shape[0] - 2)  # [T]
     context = torch.where(meta.slot_mapping >= 0, meta.positions + 1, 0).to(torch.int32)  # [T]
     return ForwardMetadata(positions=meta.positions, slot_mapping=meta.slot_mapping,
                            block_tables=meta.block_tables.index_select(0, rows), context_lens=context)

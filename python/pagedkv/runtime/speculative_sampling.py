@@ -1,6 +1,7 @@
-"""Speculative sampling for prompt lookup (runtime/prompt_lookup.py) with do_sample=True: the
-standard acceptance rule for a draft that is a point mass (the n-gram lookup proposes tokens, it
-has no distribution), which keeps the target distribution exactly.
+"""Speculative sampling with do_sample=True for generate()'s host-read rounds (runtime/prompt_lookup.py:
+a draft model's proposals) and the engine: the standard acceptance rule for a draft that is a
+point mass (n-gram lookup and a greedy draft propose tokens, not distributions), which keeps the
+target distribution exactly.
 
 A row fed its last token and the proposal d_1..d_m gets target distributions p_0..p_m (each the
 distribution a plain decode step samples from there: min_new_tokens' EOS suppression, then
@@ -10,10 +11,12 @@ renormalised (p_j without d_{j+1}); with all m accepted it draws the bonus token
 token x at a row's position is emitted with probability p_j(d) [x = d] + (1 - p_j(d)) p_j(x) / (1 -
 p_j(d)) [x != d] = p_j(x).
 
-The draws come from one torch.Generator per generate() call, on the logits' device, seeded once
+generate()'s draws come from one torch.Generator per call, on the logits' device, seeded once
 from torch's global RNG (torch.manual_seed reproduces a call). It is another random stream than
 ops.sample's counter-based one: the same distribution, not the same tokens as sampling without
-prompt lookup.
+prompt lookup. (generate()'s n-gram lookup takes the rule's other form on the device,
+runtime/lookup_rounds.py: x_j drawn from p_j at every position, the proposal accepted while x_j =
+d_{j+1}; P(accept) = p_j(d_{j+1}) and a rejected x_j follows the residual, so it is this rule.)
 """
 
 from __future__ import annotations
@@ -135,8 +138,13 @@ class SpeculativeSampler:
         bad = ~drawable[count.cumsum(0) - count + accepted]
         accepted, tokens, bad = torch.stack([accepted, tokens, bad.long()]).tolist()
         if any(bad):
-            raise RuntimeError(f"pagedkv.generate: row(s) {[r for r, b in enumerate(bad) if b]} of the "
-                               "verified rows have NaN or infinite logits, so do_sample=True has no "
-                               "distribution to draw from (HF's generate raises too: probability "
-                               "tensor contains either inf, nan or element < 0)")
+            raise nan_logits_error([r for r, b in enumerate(bad) if b], "the verified rows")
         return accepted, tokens
+
+
+def nan_logits_error(rows: list[int], of: str) -> RuntimeError:
+    """What a sampled row whose logits at the position it draws at are NaN or infinite raises
+    (generate()'s speculative rounds, here and on the device: runtime/lookup_rounds.py)."""
+    return RuntimeError(f"pagedkv.generate: row(s) {rows} of {of} have NaN or infinite logits, so "
+                        "do_sample=True has no distribution to draw from (HF's generate raises too: "
+                        "probability tensor contains either inf, nan or element < 0)")
