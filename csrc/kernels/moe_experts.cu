@@ -86,6 +86,21 @@ __global__ void __launch_bounds__(kThreads) moe_gate_up_silu_kernel(
 // left the loads of a batch-1 step too few in flight (the H100 profile: 35 us a layer for 25 MB).
 constexpr int kDownGroup = 8;
 
+// sum + HF's weighting of up to kDownGroup experts' per-lane dot products `part` (summed over
+// the warp here): each expert's output rounded to the dtype, times its weight (weights[g]) in
+// the weights' dtype, then an fp32 sum. No FMA. Every lane returns the same sum.
+template <typename T, typename W>
+__device__ __forceinline__ float add_weighted(float sum, const float (&part)[kDownGroup],
+                                              const bool (&valid)[kDownGroup], const W* __restrict__ weights) {
+#pragma unroll
+  for (int g = 0; g < kDownGroup; ++g) {
+    if (!valid[g]) continue;
+    const float y = to_float(from_float<T>(warp_sum(part[g])));
+    sum = __fadd_rn(sum, to_float(from_float<W>(__fmul_rn(y, to_float(weights[g])))));
+  }
+  return sum;
+}
+
 // grid: (T, ceil(D / kWarps)); warp w of block (t, b) computes out[t, b * kWarps + w], summing
 // the token's k experts in order. Each expert's dot product is summed in the same order as
 // warp_dot2's (per lane over its vectors, then across the warp), kDownGroup experts at a time.
@@ -135,19 +150,13 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
         }
       }
     }
-#pragma unroll
-    for (int g = 0; g < kDownGroup; ++g) {
-      if (!valid[g]) continue;
-      const float y = to_float(from_float<T>(warp_sum(part[g])));
-      // HF: expert output (dtype) * weight, in the weights' dtype; then an fp32 sum. No FMA.
-      const float weighted = to_float(from_float<W>(__fmul_rn(y, to_float(weights[t * top_k + j0 + g]))));
-      sum = __fadd_rn(sum, weighted);
-    }
+    sum = add_weighted<T, W>(sum, part, valid, weights + t * top_k + j0);
   }
   if (threadIdx.x % 32 == 0) out[t * hidden + row] = from_float<T>(sum);
 }
 
-// moe_down_sum_kernel for batch-1-sized grids (experiment, lab/experiments/README.md): the default
+// moe_down_sum_kernel for batch-1-sized grids (session 29: batch 1 3.99 -> 3.90 and 4.06 -> 4.01 ms
+// on the Qwen3-30B-A3B shape in two A/B rounds on one H100, lab/measurements.md): the default
 // kernel takes 215 registers in bf16 (the 8 experts' act and weight vectors, unpacked to fp32, all
 // live at once), so one 256-thread block fits an SM and Qwen3-30B-A3B's 256 blocks run as two
 // waves of 8 warps an SM. Here the token's k act rows are staged in shared memory once per block
@@ -217,14 +226,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
         }
       }
     }
-#pragma unroll
-    for (int g = 0; g < kDownGroup; ++g) {
-      if (!valid[g]) continue;
-      const float y = to_float(from_float<T>(warp_sum(part[g])));
-      // HF: expert output (dtype) * weight, in the weights' dtype; then an fp32 sum. No FMA.
-      const float weighted = to_float(from_float<W>(__fmul_rn(y, to_float(weights[t * top_k + j0 + g]))));
-      sum = __fadd_rn(sum, weighted);
-    }
+    sum = add_weighted<T, W>(sum, part, valid, weights + t * top_k + j0);
   }
   if (threadIdx.x % 32 == 0) out[t * hidden + row] = from_float<T>(sum);
 }
