@@ -124,12 +124,13 @@ def test_the_streamer_gets_the_decode_steps_columns(no_host_rounds, device):
 
 def test_draft_models_keep_the_host_rounds(monkeypatch):
     """Sampled prompt lookup runs on the device too (tests/test_lookup_sampling.py); a draft
-    model's proposals, greedy or sampled, are verified in the host-read rounds."""
+    model's proposals of a "heuristic" schedule, greedy or sampled, are verified in the host-read
+    rounds (a constant k's rounds run on the device: tests/test_draft_rounds.py)."""
     calls = []
     real = fixed_batch.run_prompt_lookup
     monkeypatch.setattr(fixed_batch, "run_prompt_lookup", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     model = walker()
     for do_sample in (False, True):
         pagedkv.generate(model, torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=6, do_sample=do_sample,
-                         assistant_model=truncated(model))
+                         assistant_model=truncated(model), num_assistant_tokens_schedule="heuristic")
     assert len(calls) == 2 and prompt_lookup.run_prompt_lookup is real

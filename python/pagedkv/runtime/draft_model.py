@@ -1,6 +1,9 @@
 """A draft model's proposals for greedy speculative decoding in generate() (HF's
 ``assistant_model`` / ``num_assistant_tokens`` / ``num_assistant_tokens_schedule``), for batches
-of any size: runtime/prompt_lookup.py verifies them with the target as it verifies n-gram ones.
+of any size. With the "constant" schedule the whole round runs on the device
+(runtime/draft_rounds.py: on CUDA only with PAGEDKV_DRAFT_DEVICE_ROUNDS=1 for now), on this
+module's draft cache; otherwise DraftProposer proposes on the host's orders and
+runtime/prompt_lookup.py verifies its proposals with the target as it verifies n-gram ones.
 
 The draft runs through pagedkv too, on its own PreparedModel, runner and KV cache (the draft's
 generate() cache: its own block pool). A row's draft sequence holds the prompt and the row's new
@@ -25,6 +28,7 @@ from typing import Iterator
 import torch
 
 from pagedkv.models.registry import support_path, unsupported_reason
+from pagedkv.runtime.draft_rounds import draft_rounds_wanted
 from pagedkv.runtime.fixed_batch import BLOCK_SIZE, FixedBatch
 from pagedkv.runtime.model import PreparedModel, prepared
 from pagedkv.runtime.prefix_reuse import weights_version
@@ -88,6 +92,9 @@ class DraftProposer:
         self.max_tokens = max(0, max_new - 1 if schedule != "constant" else min(k, max_new - 1))
         self.seen: list[int | None] = [None] * len(prompts)  # new tokens in the draft's cache
         self.proposals: list[list[int]] = [[] for _ in prompts]  # each row's last proposal
+        # A constant k: fixed_batch runs the rounds on the device (runtime/draft_rounds.py) on
+        # this runner instead of calling propose/accepted; they free their draft sequences.
+        self.on_device = schedule == "constant" and draft_rounds_wanted(runner.device)
 
     def propose(self, rows: list[int], out: list[list[int]], caps: list[int]) -> list[list[int]]:
         """Up to min(k, cap) greedy draft tokens after each row's new tokens out[i]."""

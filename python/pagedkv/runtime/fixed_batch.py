@@ -5,8 +5,10 @@ generation's slots are reserved after them, and each decode step
 with no host work, replayed as one CUDA graph per batch bucket and settings.
 
 The host keeps one decode step queued ahead of it (runtime/decode_read_back.py). Prompt lookup,
-greedy or sampled, runs its rounds on the device too (runtime/lookup_rounds.py); draft models
-verify in rounds read back on the host (runtime/prompt_lookup.py).
+greedy or sampled, runs its rounds on the device too (runtime/lookup_rounds.py), and so do draft
+models with a constant num_assistant_tokens (runtime/draft_rounds.py; on CUDA only with
+PAGEDKV_DRAFT_DEVICE_ROUNDS=1 for now); draft models of the "heuristic" schedules verify in
+rounds read back on the host (runtime/prompt_lookup.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pagedkv.cache import CacheFull, KVCache, KVCacheSpec, free_memory_bytes
 from pagedkv.layers.rotary import crossing_reason
 from pagedkv.runtime.decode_read_back import read_back
 from pagedkv.runtime.decode_state import DecodeState
+from pagedkv.runtime.draft_rounds import DeviceDraft
 from pagedkv.runtime.fast_processors import FastProcessors
 from pagedkv.runtime.logits_step import LogitsStep
 from pagedkv.runtime.lookup_rounds import DeviceLookup
@@ -125,6 +128,7 @@ class FixedBatch:
         self.kv_scales: list[tuple[float, float]] | None = None  # an fp8 cache's (cache/kv_dtype.py)
         self.last_prompt_lookup: LookupStats | None = None  # the last prompt-lookup call's counts
         self._lookup = DeviceLookup()  # prompt lookup's captured rounds
+        self._draft = DeviceDraft()  # a constant-k draft model's captured rounds
 
     def note_weights(self, version: int) -> None:
         """Drop the cached K/V when the weights were written in place since the last call
@@ -145,7 +149,8 @@ class FixedBatch:
         use_cuda_graphs: default on for CUDA models. decode_loop: the processed path (HF's
         processors, hf/processed_decode.py): decode_loop(prefill logits [B, V], step) -> [B, N],
         step(tokens [B]) -> logits [B, V] (a LogitsStep); None: the captured sample-in-graph steps.
-        proposer: a prompt_lookup.Proposer (a draft model's): speculative rounds on its proposals."""
+        proposer: a draft_model.DraftProposer: speculative rounds on its proposals (on the
+        device where proposer.on_device)."""
         model, max_new = self.model, settings.max_new_tokens
         graphs = cuda_graphs_wanted(use_cuda_graphs, model, "pagedkv.generate")
         longest = check_call(model, prompts, settings)
@@ -166,11 +171,14 @@ class FixedBatch:
         runner.cache.free_all(keep_cached=False)
         seq_ids = list(range(len(prompts) * n))
         try:
-            if lookup and proposer is not None:  # a draft's rounds read back; rows freed there
+            if lookup and proposer is not None and not proposer.on_device:  # rounds read back; rows freed there
                 new_tokens, self.last_prompt_lookup = run_prompt_lookup(runner, seq_ids, prompts, settings,
                                                                         streamer, input_ids, proposer, graphs)
                 return new_tokens
-            if lookup:  # prompt lookup: rounds on the device (runtime/lookup_rounds.py)
+            if lookup and proposer is not None:  # a constant k: rounds on the device (runtime/draft_rounds.py)
+                new_tokens, self.last_prompt_lookup = self._draft.run(runner, proposer.runner, lookup, seq_ids,
+                                                                      prompts, settings, streamer, input_ids, graphs)
+            elif lookup:  # prompt lookup: rounds on the device (runtime/lookup_rounds.py)
                 new_tokens, self.last_prompt_lookup = self._lookup.run(runner, seq_ids, prompts, settings,
                                                                        streamer, input_ids, graphs)
             else:
@@ -210,6 +218,7 @@ class FixedBatch:
         # interrupted between the two, the old runner stays whole).
         self._buffers.clear()
         self._lookup.clear()
+        self._draft.clear()
         runner = self.runner = None
         cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
                         device=model.device, block_size=spec.block_size, num_blocks=num_blocks,

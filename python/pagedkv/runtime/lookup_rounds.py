@@ -1,6 +1,7 @@
 """Prompt lookup with every round on the device: generate()'s path for prompt_lookup_num_tokens,
-greedy or sampled (draft models take runtime/prompt_lookup.py's rounds, which read each round's
-tokens back to the host).
+greedy or sampled. Draft models with a constant k share steps 2-4 and the host loop here
+(runtime/draft_rounds.py); their "heuristic" schedules take runtime/prompt_lookup.py's rounds,
+which read each round's tokens back to the host.
 
 A round is one fixed sequence of device work, replayed as one CUDA graph on CUDA:
   1. ops.lookup_propose: each live row's feed of `width` tokens (its last token, up to k tokens
@@ -61,6 +62,7 @@ class RoundKey:
     min_new: int
     eos_ids: tuple[int, ...]
     do_sample: bool  # temperature, top-k and top-p are the sampler's buffers, filled per call
+    draft_blocks: int = 0  # the draft's block-table width (runtime/draft_rounds.py); 0: n-gram lookup
 
 
 class RoundState:
@@ -146,11 +148,11 @@ class DeviceLookup:
         key = RoundKey(bucket(batch) if graphs else batch, k + 1, max_blocks, k,
                        settings.max_matching_ngram_size, settings.min_new_tokens, eos_ids, settings.do_sample)
         replay, state, sampler = self._round(runner, key, graphs)
-        first = _first_tokens(sampler, logits, settings, key.width)  # one read-back
+        first = first_tokens(sampler, logits, settings, key.width)  # one read-back
         state.start(prompts, first, tables, max_new, eos_ids)
-        _read_back(replay, state, batch, device, streamer, input_ids, prompts, settings.pad_token_id,
-                   settings.do_sample)
-        return _finish(state, prompts, settings.pad_token_id)
+        replay_rounds(replay, state, batch, device, streamer, input_ids, prompts, settings.pad_token_id,
+                      settings.do_sample)
+        return round_outputs(state, prompts, settings.pad_token_id)
 
     def _round(self, runner: ModelRunner, key: RoundKey, graphs: bool):
         """(replay, state, sampler) for key; replay() runs one round on the device."""
@@ -159,30 +161,14 @@ class DeviceLookup:
             return held
         block_size = runner.cache.block_size
         state = RoundState(key, block_size, runner.device)
-        sampler = Sampler(key.rows * key.width, runner.device, min_new_tokens=key.min_new,
-                          eos_token_ids=key.eos_ids)
-        sampler.fill(1.0 if key.do_sample else 0.0, 0, 1.0)  # the call's values come in _first_tokens
-        suppress = sampler.min_new_tokens > 0
+        sampler = round_sampler(key, runner.device)
 
         def one_round() -> None:
             ops.lookup_propose(state.history, state.lengths, state.generated, state.done,
                                state.block_tables, state.feed, state.proposal_lens, state.positions,
                                state.slot_mapping, state.context_lens, state.max_new, key.k,
                                key.max_ngram, block_size)
-            logits = runner.decoder.forward(state.feed.view(-1), state.metadata())  # [R * W, V]
-            if key.do_sample or suppress:  # min_new_tokens' EOS suppression is counted per position
-                before = (state.generated.unsqueeze(1) + state.steps).view(-1)  # [R * W]: tokens emitted before each
-                if key.do_sample:  # each position draws with its token's index, as that decode step would
-                    sampler.offsets.copy_(before)
-                tokens = sampler(logits, before.int())  # [R * W]; sampled, -1 where NaN/inf logits
-            else:  # the sampler's greedy token is exactly argmax; one reduction instead of its passes
-                tokens = logits.argmax(-1)  # [R * W]
-            ops.lookup_accept(tokens, state.feed, state.proposal_lens, state.eos_ids, state.history,
-                              state.lengths, state.generated, state.done, state.stats, state.max_new)
-            if key.do_sample:  # a -1 drawn is only ever emitted last (a proposal token is >= 0)
-                last = state.history.gather(1, (state.lengths - 1).clamp(min=0).unsqueeze(1))  # [R, 1]
-                state.bad.logical_or_(last.squeeze(1) < 0)
-                state.done.logical_or_(state.bad)  # never fed: the host raises on the flag
+            verify_and_accept(runner, state, sampler, key)
 
         if not graphs:
             return one_round, state, sampler
@@ -195,7 +181,34 @@ class DeviceLookup:
         return captured.replay, state, sampler
 
 
-def _first_tokens(sampler: Sampler, logits: torch.Tensor, settings: LookupSettings, width: int) -> list[int]:
+def round_sampler(key: RoundKey, device: torch.device) -> Sampler:
+    """The sampler of a round's R * W positions; the call's values come in first_tokens."""
+    sampler = Sampler(key.rows * key.width, device, min_new_tokens=key.min_new, eos_token_ids=key.eos_ids)
+    sampler.fill(1.0 if key.do_sample else 0.0, 0, 1.0)
+    return sampler
+
+
+def verify_and_accept(runner: ModelRunner, state: RoundState, sampler: Sampler, key: RoundKey) -> None:
+    """Steps 2-4 of a round, after state.feed, proposal_lens and the fed rows' metadata were
+    written: the target's forward, its token at every position, and ops.lookup_accept. Device
+    ops only (captured into the round's graph)."""
+    logits = runner.decoder.forward(state.feed.view(-1), state.metadata())  # [R * W, V]
+    if key.do_sample or sampler.min_new_tokens > 0:  # min_new_tokens' EOS suppression is counted per position
+        before = (state.generated.unsqueeze(1) + state.steps).view(-1)  # [R * W]: tokens emitted before each
+        if key.do_sample:  # each position draws with its token's index, as that decode step would
+            sampler.offsets.copy_(before)
+        tokens = sampler(logits, before.int())  # [R * W]; sampled, -1 where NaN/inf logits
+    else:  # the sampler's greedy token is exactly argmax; one reduction instead of its passes
+        tokens = logits.argmax(-1)  # [R * W]
+    ops.lookup_accept(tokens, state.feed, state.proposal_lens, state.eos_ids, state.history,
+                      state.lengths, state.generated, state.done, state.stats, state.max_new)
+    if key.do_sample:  # a -1 drawn is only ever emitted last (a proposal token is >= 0)
+        last = state.history.gather(1, (state.lengths - 1).clamp(min=0).unsqueeze(1))  # [R, 1]
+        state.bad.logical_or_(last.squeeze(1) < 0)
+        state.done.logical_or_(state.bad)  # never fed: the host raises on the flag
+
+
+def first_tokens(sampler: Sampler, logits: torch.Tensor, settings: LookupSettings, width: int) -> list[int]:
     """The prompts' next tokens (logits [B, V]) as a decode step takes them, the call's sampling
     settings filled in. Sampled: each row's seed drawn from torch's global RNG, as the decode
     path draws its rows' (torch.manual_seed reproduces a call), then laid out over the row's
@@ -216,8 +229,8 @@ def _first_tokens(sampler: Sampler, logits: torch.Tensor, settings: LookupSettin
     return first
 
 
-def _read_back(replay, state: RoundState, batch: int, device: torch.device, streamer,
-               input_ids: torch.Tensor, prompts: list[list[int]], pad: int | None, sampled: bool) -> None:
+def replay_rounds(replay, state: RoundState, batch: int, device: torch.device, streamer,
+                  input_ids: torch.Tensor, prompts: list[list[int]], pad: int | None, sampled: bool) -> None:
     """Replays rounds until every row is done, reading each round's done flags back one round
     behind (the only host sync; with a streamer, the rows' tokens too; sampled, the bad flags:
     raised on at once)."""
@@ -284,7 +297,7 @@ class _Readback:
             raise nan_logits_error(self.bad.nonzero().flatten().tolist(), "the batch")
 
 
-def _finish(state: RoundState, prompts: list[list[int]], pad: int | None) -> tuple[torch.Tensor, LookupStats]:
+def round_outputs(state: RoundState, prompts: list[list[int]], pad: int | None) -> tuple[torch.Tensor, LookupStats]:
     """The rows' new tokens [B, N] (N = the longest row's; pad after a shorter row's end) and
     the call's stats, from the state after its last round."""
     batch = len(prompts)
