@@ -21,7 +21,7 @@ from models import tiny_model, widen
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument
 from pagedkv.runtime import draft_model
 from pagedkv.runtime.model import PREPARED_ATTR
-from recording_streamer import RecordingStreamer
+from recording_streamer import FailingStreamer
 from test_prompt_lookup import assert_cache_empty, batch
 
 GREEDY = dict(do_sample=False, eos_token_id=None)
@@ -143,15 +143,9 @@ def test_an_error_mid_call_frees_both_caches():
     draft = truncated(model)
     pagedkv.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=draft, **GREEDY)
 
-    class Failing(RecordingStreamer):
-        def put(self, value):
-            super().put(value)
-            if len(self.chunks) == 4:
-                raise RuntimeError("streamer failed")
-
     ids = torch.tensor(random_rows([9, 9], seed=7))
     with pytest.raises(RuntimeError, match="streamer failed"):
-        pagedkv.generate(model, ids, max_new_tokens=20, streamer=Failing(), assistant_model=draft, **GREEDY)
+        pagedkv.generate(model, ids, max_new_tokens=20, streamer=FailingStreamer(4, RuntimeError("streamer failed")), assistant_model=draft, **GREEDY)
     assert_cache_empty(model)
     assert_draft_empty(draft)
     # the next call gives HF's tokens

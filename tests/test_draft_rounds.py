@@ -22,7 +22,7 @@ import pagedkv
 from models import tiny_model
 from pagedkv.runtime import draft_model, draft_rounds, fixed_batch
 from pagedkv.runtime.model import PREPARED_ATTR
-from recording_streamer import RecordingStreamer
+from recording_streamer import FailingStreamer, RecordingStreamer
 from test_assistant_model import assert_draft_empty, random_rows, stats, target, truncated
 from test_prompt_lookup import assert_cache_empty, batch
 from test_prompt_lookup_sampling import P_MIN, SAMPLE, two_sample_p
@@ -214,13 +214,7 @@ def test_an_interrupt_or_error_leaves_both_caches_empty(device, graphs, failure)
     ids, mask = on(device, random_rows([9, 4, 13], seed=7))
     expected = plain(model, ids, mask, max_new_tokens=30, **GREEDY)
 
-    class Failing(RecordingStreamer):
-        def put(self, value):
-            super().put(value)
-            if len(self.chunks) == 4:
-                raise failure("stopped")
-
-    streamer = Failing()
+    streamer = FailingStreamer(4, failure("stopped"))
     with pytest.raises(failure):
         pagedkv.generate(model, ids, attention_mask=mask, max_new_tokens=30, streamer=streamer,
                          assistant_model=draft, num_assistant_tokens=3, use_cuda_graphs=graphs, **GREEDY)

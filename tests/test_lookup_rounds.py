@@ -13,7 +13,7 @@ import pagedkv
 from conftest import DEVICES
 from models import tiny_model
 from pagedkv.runtime import fixed_batch, prompt_lookup
-from recording_streamer import RecordingStreamer
+from recording_streamer import FailingStreamer, RecordingStreamer
 from test_assistant_model import truncated
 from test_prompt_lookup import GREEDY, assert_cache_empty, batch, stats, walk, walker
 
@@ -91,13 +91,7 @@ def test_an_interrupt_leaves_nothing_held(no_host_rounds, device):
     ids, mask = ids.to(device), mask.to(device)
     expected = pagedkv.generate(model, ids, attention_mask=mask, max_new_tokens=30, **GREEDY)
 
-    class Interrupting(RecordingStreamer):
-        def put(self, value):
-            super().put(value)
-            if len(self.chunks) == 3:
-                raise KeyboardInterrupt
-
-    streamer = Interrupting()
+    streamer = FailingStreamer(3, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         pagedkv.generate(model, ids, attention_mask=mask, max_new_tokens=30, streamer=streamer,
                          prompt_lookup_num_tokens=4, **GREEDY)

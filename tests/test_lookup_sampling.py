@@ -16,7 +16,7 @@ from conftest import DEVICES
 from models import tiny_model
 from pagedkv.runtime import fixed_batch
 from pagedkv.runtime.model import PREPARED_ATTR
-from recording_streamer import RecordingStreamer
+from recording_streamer import FailingStreamer, RecordingStreamer
 from test_lookup_rounds import mixed_rows
 from test_prompt_lookup import assert_cache_empty, batch, stats, walk, walker
 from test_prompt_lookup_sampling import P_MIN, SAMPLE, two_sample_p
@@ -201,13 +201,7 @@ def test_an_interrupt_leaves_nothing_held(device):
     rows = mixed_rows(model)
     ids, mask = on(device, rows)
 
-    class Interrupting(RecordingStreamer):
-        def put(self, value):
-            super().put(value)
-            if len(self.chunks) == 3:
-                raise KeyboardInterrupt
-
-    streamer = Interrupting()
+    streamer = FailingStreamer(3, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         pagedkv.generate(model, ids, attention_mask=mask, max_new_tokens=30, streamer=streamer,
                          prompt_lookup_num_tokens=4, **SAMPLE)

@@ -19,7 +19,7 @@ from models import tiny_model
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument
 from pagedkv.runtime.model import PREPARED_ATTR
 from pagedkv.runtime.prompt_lookup import propose
-from recording_streamer import RecordingStreamer
+from recording_streamer import FailingStreamer, RecordingStreamer
 
 GREEDY = dict(do_sample=False, eos_token_id=None)
 
@@ -183,15 +183,9 @@ def test_an_error_frees_every_block():
     model = walker()
     pagedkv.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, **GREEDY)
 
-    class Failing(RecordingStreamer):
-        def put(self, value):
-            super().put(value)
-            if len(self.chunks) == 3:
-                raise RuntimeError("streamer failed")
-
     with pytest.raises(RuntimeError, match="streamer failed"):
         pagedkv.generate(model, torch.tensor([[5, 6, 7, 5, 6, 7, 5]]), max_new_tokens=20,
-                         streamer=Failing(), prompt_lookup_num_tokens=3, **GREEDY)
+                         streamer=FailingStreamer(3, RuntimeError("streamer failed")), prompt_lookup_num_tokens=3, **GREEDY)
     assert_cache_empty(model)
 
 
