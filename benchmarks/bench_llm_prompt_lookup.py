@@ -34,20 +34,23 @@ from bench_prompt_lookup import PROMPTS, check_equal, load_prompts, sync  # noqa
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 
 import pagedkv  # noqa: E402
+from pagedkv.engine.speculation import SPECULATIVE_MAX_BATCH  # noqa: E402
 from pagedkv.tools.default_model import load_default_model  # noqa: E402
 
 PLAIN, GRAPHS, EAGER, HF = ("pagedkv.LLM", "pagedkv.LLM prompt lookup", "pagedkv.LLM prompt lookup, eager verification",
                             "HF generate_batch (paged sdpa)")
+EVERY_STEP = "pagedkv.LLM prompt lookup, every step"  # speculative_max_batch=None: no batch limit
 
 
-def engine(model, max_num_seqs: int, k: int | None, verify_graphs: bool) -> pagedkv.LLM:
-    """An LLM; verify_graphs is read by its runner when built (PAGEDKV_VERIFY_GRAPHS)."""
+def engine(model, max_num_seqs: int, k: int | None, verify_graphs: bool, max_batch: int | None = None) -> pagedkv.LLM:
+    """An LLM; verify_graphs is read by its runner when built (PAGEDKV_VERIFY_GRAPHS); max_batch:
+    its speculative_max_batch (None: every step proposes)."""
     saved = os.environ.get("PAGEDKV_VERIFY_GRAPHS")
     os.environ["PAGEDKV_VERIFY_GRAPHS"] = "1" if verify_graphs else "0"
     try:
-        spec = {} if k is None else dict(prompt_lookup_num_tokens=k)
-        # a quarter of the free memory each: three engines are alive at once
-        memory = 0.25 if next(model.parameters()).is_cuda else 256 << 20
+        spec = {} if k is None else dict(prompt_lookup_num_tokens=k, speculative_max_batch=max_batch)
+        # a fifth of the free memory each: four engines are alive at once
+        memory = 0.2 if next(model.parameters()).is_cuda else 256 << 20
         return pagedkv.LLM(model, max_num_seqs=max_num_seqs, kv_cache_memory=memory, **spec)
     finally:
         if saved is None:
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--k", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument("--max-new", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-batch", type=int, default=SPECULATIVE_MAX_BATCH,
+                        help="speculative_max_batch of the prompt-lookup row (the other rows: none)")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--small", action="store_true", help="3 prompts, 16 new tokens, fp32 (CPU smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     eos = {gen.eos_token_id} if isinstance(gen.eos_token_id, int) else set(gen.eos_token_id or ())
     pad = gen.pad_token_id if gen.pad_token_id is not None else next(iter(eos))
     engines = {PLAIN: engine(model, args.max_num_seqs, None, True),
-               GRAPHS: engine(model, args.max_num_seqs, args.k, True),
+               GRAPHS: engine(model, args.max_num_seqs, args.k, True, args.max_batch),
+               EVERY_STEP: engine(model, args.max_num_seqs, args.k, True),
                EAGER: engine(model, args.max_num_seqs, args.k, False)}
     seconds, tokens = {}, {}
     with torch.inference_mode():
@@ -111,8 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_hf:  # HF's continuous batching writes its own tensors in place: not in inference mode
         seconds[HF], tokens[HF] = run_hf(model, prompts, max_new, eos, pad, device)
     with torch.inference_mode():
-        equal = all(check_equal(model, prompts, tokens[PLAIN], tokens[name], dtype, name) for name in (GRAPHS, EAGER))
-    stats = {name: engines[name].speculation.stats for name in (GRAPHS, EAGER)}
+        equal = all(check_equal(model, prompts, tokens[PLAIN], tokens[name], dtype, name)
+                    for name in (GRAPHS, EVERY_STEP, EAGER))
+    stats = {name: engines[name].speculation.stats for name in (GRAPHS, EVERY_STEP, EAGER)}
     header = ["system", "new tokens", "seconds", "tokens/s", "speed-up vs pagedkv.LLM", "vs HF", "acceptance"]
     rate = {name: sum(map(len, tokens[name])) / seconds[name] for name in seconds}
     rows = [[name, sum(map(len, tokens[name])), f"{seconds[name]:.3g}", f"{rate[name]:.3g}",
@@ -120,15 +127,16 @@ def main(argv: list[str] | None = None) -> dict:
              f"{stats[name].accepted / max(stats[name].proposed, 1):.3f}" if name in stats else ""]
             for name in seconds]
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    title = (f"pagedkv.LLM prompt lookup (k {args.k}), SmolLM2-135M-Instruct {str(dtype).split('.')[-1]}, "
+    title = (f"pagedkv.LLM prompt lookup (k {args.k}, speculative_max_batch {args.max_batch}), SmolLM2-135M-Instruct {str(dtype).split('.')[-1]}, "
              f"{len(prompts)} input-grounded prompts at once (max_num_seqs {args.max_num_seqs}), "
              f"max_tokens {max_new}, greedy; {where}")
     table = markdown_table(header, rows)
     save_table(args.out, "bench_llm_prompt_lookup", title, table)
     save_bar_plot(args.out, "bench_llm_prompt_lookup", title.split(";")[0], ["all prompts"],
                   {name: [rate[name]] for name in rate}, "output tokens / s")
-    print(f"verification graphs: {rate[GRAPHS] / rate[EAGER]:.2f}x eager verification; prompt lookup "
-          f"{rate[GRAPHS] / rate[PLAIN]:.2f}x pagedkv.LLM without it")
+    print(f"verification graphs: {rate[EVERY_STEP] / rate[EAGER]:.2f}x eager verification; prompt lookup "
+          f"{rate[GRAPHS] / rate[PLAIN]:.2f}x pagedkv.LLM without it (speculative_max_batch {args.max_batch}), "
+          f"{rate[EVERY_STEP] / rate[PLAIN]:.2f}x proposing in every step")
     return {"rates": rate, "equal": equal, "stats": stats}
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -53,14 +54,30 @@ from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 from truncated_draft import parameter_count, truncated_draft  # noqa: E402
 
 import pagedkv  # noqa: E402
+from pagedkv.runtime.lookup_rounds import BRANCHES_SWITCH  # noqa: E402
 from pagedkv.runtime.model import prepared  # noqa: E402
 from pagedkv.tools.default_model import load_default_model  # noqa: E402
 
 PROMPTS = pathlib.Path(__file__).resolve().parent / "prompts" / "input_grounded.jsonl"
 PAGEDKV, PAGEDKV_PLD, HF, HF_PLD = ("pagedkv", "pagedkv prompt lookup", "HF generate", "HF prompt lookup")
 PAGEDKV_DRAFT, HF_DRAFT = "pagedkv assistant_model", "HF assistant_model"
+UNBRANCHED = f"{PAGEDKV_PLD}, unbranched rounds"
 GOAL_SPEEDUP = 2.0
 DRAFT_LAYERS = 4  # of SmolLM2's 30: ~7x fewer layers a draft step (the embeddings and LM head are shared)
+
+
+def unbranched(call):
+    """call() with prompt lookup's captured rounds not branching to a decode step when no row
+    proposes (PAGEDKV_LOOKUP_BRANCHES=0: rounds captured apart from the branched ones)."""
+    before = os.environ.get(BRANCHES_SWITCH)
+    os.environ[BRANCHES_SWITCH] = "0"
+    try:
+        return call()
+    finally:
+        if before is None:
+            del os.environ[BRANCHES_SWITCH]
+        else:
+            os.environ[BRANCHES_SWITCH] = before
 
 
 def load_prompts(path: pathlib.Path, tokenizer, limit: int | None = None) -> list[list[int]]:
@@ -145,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompts", type=pathlib.Path, default=PROMPTS)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--unbranched", action="store_true",
+                        help="a row of prompt lookup whose captured rounds always verify k + 1 rows")
     parser.add_argument("--small", action="store_true", help="3 prompts, 16 new tokens (CPU smoke test)")
     parser.add_argument("--draft-layers", type=int, nargs="?", const=DRAFT_LAYERS, default=None,
                         help=f"draft mode: assistant_model = the target's first L layers (default {DRAFT_LAYERS})")
@@ -181,6 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
         systems[f"{PAGEDKV_PLD} (k {k})"] = lambda ids, mask, k=k: pagedkv.generate(
             model, ids, attention_mask=mask, **greedy, prompt_lookup_num_tokens=k, max_matching_ngram_size=args.ngram)
     ours_names = [SPEC] + [f"{PAGEDKV_PLD} (k {k})" for k in also]
+    if args.unbranched and not drafted:  # the A/B of runtime/graph_branches.py, in the same run
+        systems[UNBRANCHED] = lambda ids, mask: unbranched(
+            lambda: pagedkv.generate(model, ids, attention_mask=mask, **greedy, **spec))
+        ours_names.append(UNBRANCHED)
     if not args.no_hf:
         systems[HF] = lambda ids, mask: model.generate(ids, attention_mask=mask, **greedy)
         if batch == 1:  # HF's assisted generation refuses batches > 1

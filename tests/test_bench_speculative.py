@@ -54,7 +54,8 @@ def test_prompt_set_is_input_grounded_and_sized(tokenizer):
 
 @pytest.mark.parametrize("extra, systems", [
     ([], ["pagedkv", "pagedkv prompt lookup", "HF generate", "HF prompt lookup"]),
-    (["--batch", "2", "--no-hf", "--also-k", "4"], ["pagedkv", "pagedkv prompt lookup", "pagedkv prompt lookup (k 4)"]),
+    (["--batch", "2", "--no-hf", "--also-k", "4", "--unbranched"],
+     ["pagedkv", "pagedkv prompt lookup", "pagedkv prompt lookup (k 4)", "pagedkv prompt lookup, unbranched rounds"]),
 ], ids=["batch1", "batch2"])
 def test_prompt_lookup_small_run(tokenizer, tmp_path, capsys, extra, systems):
     result = bench_prompt_lookup.main(["--small", "--out", str(tmp_path), *extra])
@@ -152,7 +153,7 @@ def test_llm_prompt_lookup_small_run(tokenizer, tmp_path):
     result = bench_llm_prompt_lookup.main(["--small", "--out", str(tmp_path)])
     assert result["equal"]
     names = [row[0] for row in table_rows(tmp_path / "bench_llm_prompt_lookup.md")]
-    assert names == [bench_llm_prompt_lookup.PLAIN, bench_llm_prompt_lookup.GRAPHS,
+    assert names == [bench_llm_prompt_lookup.PLAIN, bench_llm_prompt_lookup.GRAPHS, bench_llm_prompt_lookup.EVERY_STEP,
                      bench_llm_prompt_lookup.EAGER, bench_llm_prompt_lookup.HF]
     for stats in result["stats"].values():
         assert 0 < stats.accepted <= stats.proposed

@@ -4,8 +4,8 @@ gives the tokens of non-speculative sampling (each position draws its decode ste
 distribution apart from that; the draft proposes exactly what the host-read rounds' draft proposes
 (the same counts of proposed and accepted tokens); EOS, max_new_tokens and min_new_tokens inside
 accepted runs; errors and interrupts leave both caches empty; "heuristic" schedules keep the host
-rounds; on CUDA the rounds are taken only with PAGEDKV_DRAFT_DEVICE_ROUNDS=1, graphs on and off,
-captured rounds replayed by later calls and captured again for a new draft cache.
+rounds; on CUDA graphs on and off, captured rounds replayed by later calls and captured again for
+a new draft cache.
 
 Pairs (tests/test_assistant_model.py): a target whose second layer is damped with its one-layer
 copy as draft (accepted and rejected proposals), an unrelated random draft (mostly rejected), and
@@ -36,12 +36,11 @@ DRAFTS = {"truncated": truncated, "unrelated": lambda model: tiny_model("llama",
 
 @pytest.fixture(autouse=True)
 def device_rounds(monkeypatch):
-    """The constant schedule must not fall back on the host-read rounds; CUDA takes the device
-    rounds only with the switch, set here (a test that needs the host rounds undoes this)."""
+    """The constant schedule must not fall back on the host-read rounds (a test that needs the
+    host rounds undoes this)."""
     def refuse(*args, **kwargs):
         raise AssertionError("a constant-k draft ran runtime/prompt_lookup.py's host rounds")
     monkeypatch.setattr(fixed_batch, "run_prompt_lookup", refuse)
-    monkeypatch.setenv(draft_rounds.ENV_SWITCH, "1")
 
 
 def on(device, rows):
@@ -101,7 +100,9 @@ def test_the_draft_proposes_what_the_host_rounds_draft_proposes(monkeypatch, dev
     settings = dict(max_new_tokens=30, num_assistant_tokens=4, **(SAMPLE if do_sample else GREEDY))
     runs = [(assisted(model, draft, ids, mask, seed=3, **settings), stats(model))]
     monkeypatch.undo()  # the host rounds, as before this module
-    monkeypatch.setattr(draft_model, "draft_rounds_wanted", lambda device: False)
+    # the proposer's own rounds: on_device reads False whatever __init__ sets
+    monkeypatch.setattr(draft_model.DraftProposer, "on_device", property(lambda self: False, lambda self, value: None),
+                        raising=False)
     runs.append((assisted(model, draft, ids, mask, seed=3, **settings), stats(model)))
     if not do_sample:
         assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1], runs
@@ -296,22 +297,17 @@ def test_a_draft_of_fewer_positions_is_refused():
 
 
 @pytest.mark.cuda
-def test_cuda_takes_the_device_rounds_only_with_the_switch(monkeypatch):
-    monkeypatch.undo()
+def test_cuda_takes_the_device_rounds():
+    """A constant-k call on CUDA runs DeviceDraft's rounds (no switch), with greedy decoding's tokens."""
     ran = []
     real = draft_rounds.DeviceDraft.run
-    monkeypatch.setattr(draft_rounds.DeviceDraft, "run", lambda *a, **kw: ran.append(1) or real(*a, **kw))
-    model, draft = pair("cuda")
-    ids = torch.tensor([random_rows([7], seed=8)[0]], device="cuda")
-    for value, device_rounds in ((None, 0), ("0", 0), ("1", 1)):
-        if value is None:
-            monkeypatch.delenv(draft_rounds.ENV_SWITCH, raising=False)
-        else:
-            monkeypatch.setenv(draft_rounds.ENV_SWITCH, value)
-        ran.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(draft_rounds.DeviceDraft, "run", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+        model, draft = pair("cuda")
+        ids = torch.tensor([random_rows([7], seed=8)[0]], device="cuda")
         got = assisted(model, draft, ids, None, max_new_tokens=12, num_assistant_tokens=3, **GREEDY)
-        assert torch.equal(got, plain(model, ids, None, max_new_tokens=12, **GREEDY))
-        assert len(ran) == device_rounds, value
+    assert torch.equal(got, plain(model, ids, None, max_new_tokens=12, **GREEDY))
+    assert len(ran) == 1
 
 
 @pytest.mark.cuda

@@ -128,7 +128,8 @@ def test_sampling_keeps_the_distribution_of_the_first_tokens(method, temperature
     model = walker() if method == "lookup" else target()
     spec = dict(prompt_lookup_num_tokens=3) if method == "lookup" else dict(assistant_model=truncated(model),
                                                                           num_assistant_tokens=3)
-    llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=512, **spec)
+    # 64 rows a step: every step proposes (past the default speculative_max_batch)
+    llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=512, speculative_max_batch=None, **spec)
     prompt = repeating_prompts(1, seed=7, model=model)[0]
     n = 1000
     params = [SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=s,
@@ -224,3 +225,34 @@ def test_lookup_index_proposes_what_the_scan_does():
     assert set(spec.indexes) == {2, 3}
     spec.release([])
     assert spec.indexes == {}
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, None])
+def test_steps_of_more_rows_than_speculative_max_batch_propose_nothing(monkeypatch, max_batch):
+    """Past speculative_max_batch decode rows a step proposes nothing (its rows decode as without
+    speculation); as requests finish and the batch shrinks, steps propose again; None: always."""
+    from pagedkv.engine.speculation import Speculation
+
+    steps = []  # (decode rows, whether the step proposed)
+    real = Speculation.propose
+
+    def watched(self, decodes, budget):
+        out = real(self, decodes, budget)
+        steps.append((len(decodes), bool(out)))
+        return out
+
+    monkeypatch.setattr(Speculation, "propose", watched)
+    model = walker()
+    prompts = repeating_prompts(6, model=model)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 4, 8, 12, 16, 20)]
+    llm = LLM(model, max_num_seqs=6, max_num_batched_tokens=64, prompt_lookup_num_tokens=3,
+              speculative_max_batch=max_batch)
+    assert run(llm, prompts, params) == run(LLM(model, max_num_seqs=6, max_num_batched_tokens=64), prompts, params)
+    limit = 6 if max_batch is None else max_batch
+    assert not any(proposed for rows, proposed in steps if rows > limit), steps
+    assert any(proposed for rows, proposed in steps if rows <= limit), steps
+    if max_batch is None:
+        assert any(proposed for rows, proposed in steps if rows > 3), steps
+    assert_no_leaks(llm)
+    with pytest.raises(ValueError, match="speculative_max_batch must be an int >= 1, got 0"):
+        LLM(model, prompt_lookup_num_tokens=3, speculative_max_batch=0)

@@ -248,4 +248,4 @@ def test_captured_rounds_are_reused_by_other_sampling_settings():
                            eos_token_id=None, prompt_lookup_num_tokens=4)
     assert torch.equal(got, greedy)
     rounds = getattr(model, PREPARED_ATTR).fixed_batch._lookup._rounds
-    assert sorted(key.do_sample for key in rounds) == [False, True]
+    assert sorted(key.do_sample for key, _ in rounds) == [False, True]

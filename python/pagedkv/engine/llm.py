@@ -43,7 +43,7 @@ from pagedkv.engine.request import Request, Sequence, Status, new_request
 from pagedkv.engine.sampling_batch import SamplingBatch
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
-from pagedkv.engine.speculation import check_request, decode_rows, speculation_for
+from pagedkv.engine.speculation import SPECULATIVE_MAX_BATCH, check_request, decode_rows, speculation_for
 from pagedkv.engine.step_outputs import deliver, step_outputs
 from pagedkv.engine.watched import read_watched
 from pagedkv.models import registry, windows
@@ -68,7 +68,9 @@ class LLM(BatchAPI):
     one's tokens are read back (default on for CUDA models; off, every step waits for the one before).
     Speculative decoding (engine/speculation.py; steps run serially): HF's prompt lookup
     (prompt_lookup_num_tokens k >= 1, max_matching_ngram_size), or a draft model on its own cache
-    (assistant_model, num_assistant_tokens); a request's SamplingParams may override k.
+    (assistant_model, num_assistant_tokens); a request's SamplingParams may override k. A step
+    proposes only while it decodes at most speculative_max_batch sequences (None: always): past
+    that, verifying k + 1 rows a sequence costs more than the accepted tokens save.
 
     Threads may share an engine: its calls run one at a time (generate() and stream() hold it
     until they return or stop, so another thread's call waits for them).
@@ -81,7 +83,8 @@ class LLM(BatchAPI):
                  use_cuda_graphs: bool | None = None, overlap_steps: bool | None = None,
                  dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto", kv_cache_scales=None,
                  prompt_lookup_num_tokens: int = 0, max_matching_ngram_size: int | None = None,
-                 assistant_model=None, num_assistant_tokens: int | None = None) -> None:
+                 assistant_model=None, num_assistant_tokens: int | None = None,
+                 speculative_max_batch: int | None = SPECULATIVE_MAX_BATCH) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"pagedkv.LLM: max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -121,7 +124,7 @@ class LLM(BatchAPI):
         self.speculation = speculation_for(model, state, self.cache, dict(
             prompt_lookup_num_tokens=prompt_lookup_num_tokens, max_matching_ngram_size=max_matching_ngram_size,
             assistant_model=assistant_model, num_assistant_tokens=num_assistant_tokens), overlap_steps, graphs,
-            (max_num_seqs, max_num_batched_tokens, self.max_model_len))
+            (max_num_seqs, max_num_batched_tokens, self.max_model_len), speculative_max_batch)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
                                    self.speculation and self.speculation.propose, windows.every_layer_window(w))
         self.vocab_size = w.vocab_size

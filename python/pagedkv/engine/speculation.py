@@ -37,6 +37,12 @@ from pagedkv.runtime.prompt_lookup import LookupStats, NgramIndex
 from pagedkv.runtime.runner import to_device
 from pagedkv.runtime.sampler import Sampler
 
+# A step proposes only while it decodes at most this many sequences: on an H100 prompt lookup on
+# SmolLM2 gave 1.87x one request at a time, 1.53x at 8 and 0.65x at 23 (lab/measurements.md,
+# sessions 29-30): past a few rows a step's weight read is shared already, and the k + 1 rows a
+# sequence verifies cost more than the tokens they save.
+SPECULATIVE_MAX_BATCH = 8
+
 # Per-request options a speculating request cannot have: (SamplingParams test, its name).
 _REFUSED = ((lambda p: p.n > 1, "n > 1"), (lambda p: p.logprobs is not None, "logprobs"),
             (lambda p: p.repetition_penalty != 1, "repetition_penalty"),
@@ -51,11 +57,14 @@ def _count(name: str, value, low: int) -> int:
 
 
 def speculation_for(model, state, cache, options: dict, overlap_steps: bool | None, graphs: bool,
-                    limits: tuple[int, int, int]) -> Speculation | None:
+                    limits: tuple[int, int, int], max_batch: int | None = SPECULATIVE_MAX_BATCH) -> Speculation | None:
     """The engine's Speculation from LLM's options (prompt_lookup_num_tokens,
-    max_matching_ngram_size, assistant_model, num_assistant_tokens) and limits (max_num_seqs,
-    max_num_batched_tokens, max_model_len); None without any; ValueError naming what is refused."""
+    max_matching_ngram_size, assistant_model, num_assistant_tokens), limits (max_num_seqs,
+    max_num_batched_tokens, max_model_len) and speculative_max_batch; None without any;
+    ValueError naming what is refused."""
     prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model, num_assistant_tokens = options.values()
+    if max_batch is not None:
+        _count("speculative_max_batch", max_batch, 1)
     max_num_seqs, max_num_batched_tokens, max_model_len = limits
     k = _count("prompt_lookup_num_tokens", prompt_lookup_num_tokens, 0)
     if assistant_model is None:
@@ -84,7 +93,7 @@ def speculation_for(model, state, cache, options: dict, overlap_steps: bool | No
         k = _count("num_assistant_tokens", k, 1)
         draft = EngineDraft(assistant_model, cache, max_num_seqs, max_num_batched_tokens, max_model_len, graphs)
     ngram = _count("max_matching_ngram_size", 2 if max_matching_ngram_size is None else max_matching_ngram_size, 1)
-    return Speculation(k, ngram, draft, cache, max_num_batched_tokens, state.device)
+    return Speculation(k, ngram, draft, cache, max_num_batched_tokens, state.device, max_batch)
 
 
 def check_request(spec: Speculation | None, params: SamplingParams) -> None:
@@ -137,8 +146,9 @@ def decode_rows(decodes: list[Sequence], decode_tokens: list[int], proposals: di
 
 class Speculation:
     def __init__(self, k: int, ngram: int, draft: EngineDraft | None, cache, max_step_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_batch: int | None = SPECULATIVE_MAX_BATCH) -> None:
         self.k, self.ngram, self.draft, self.cache, self.device = k, ngram, draft, cache, device
+        self.max_batch = max_batch  # a step of more decode rows proposes nothing; None: no limit
         # The greedy token of every verified position, taken as a decode step's sampler takes it.
         self.greedy = Sampler(max_step_tokens, device)
         self.greedy.fill(0.0, 0, 1.0)
@@ -156,6 +166,8 @@ class Speculation:
         in all."""
         rows: list[tuple[Sequence, int]] = []
         out: dict[Sequence, list[int]] = {}
+        if self.max_batch is not None and len(decodes) > self.max_batch:
+            return out
         for seq in decodes:
             request = seq.request
             cap = min(self.k_of(request.params), request.max_len - len(seq.token_ids) - 1, budget)

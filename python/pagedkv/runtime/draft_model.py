@@ -1,7 +1,7 @@
 """A draft model's proposals for greedy speculative decoding in generate() (HF's
 ``assistant_model`` / ``num_assistant_tokens`` / ``num_assistant_tokens_schedule``), for batches
 of any size. With the "constant" schedule the whole round runs on the device
-(runtime/draft_rounds.py: on CUDA only with PAGEDKV_DRAFT_DEVICE_ROUNDS=1 for now), on this
+(runtime/draft_rounds.py), on this
 module's draft cache; otherwise DraftProposer proposes on the host's orders and
 runtime/prompt_lookup.py verifies its proposals with the target as it verifies n-gram ones.
 
@@ -28,7 +28,6 @@ from typing import Iterator
 import torch
 
 from pagedkv.models.registry import support_path, unsupported_reason
-from pagedkv.runtime.draft_rounds import draft_rounds_wanted
 from pagedkv.runtime.fixed_batch import BLOCK_SIZE, FixedBatch
 from pagedkv.runtime.model import PreparedModel, prepared
 from pagedkv.runtime.prefix_reuse import weights_version
@@ -94,7 +93,7 @@ class DraftProposer:
         self.proposals: list[list[int]] = [[] for _ in prompts]  # each row's last proposal
         # A constant k: fixed_batch runs the rounds on the device (runtime/draft_rounds.py) on
         # this runner instead of calling propose/accepted; they free their draft sequences.
-        self.on_device = schedule == "constant" and draft_rounds_wanted(runner.device)
+        self.on_device = schedule == "constant"
 
     def propose(self, rows: list[int], out: list[list[int]], caps: list[int]) -> list[list[int]]:
         """Up to min(k, cap) greedy draft tokens after each row's new tokens out[i]."""

@@ -29,14 +29,12 @@ of them makes the new history length L' <= L + a + 1, and the draft's positions 
 hold the accepted tokens, so it holds positions < L' - 2 again (in fact all but the last token
 of the history, so the finished rows' full blocks enter its prefix cache as the target's do).
 
-Routing (runtime/fixed_batch.py): the CPU always takes these rounds; CUDA only with
-PAGEDKV_DRAFT_DEVICE_ROUNDS=1 in the environment (read per call) until they have passed their
-CUDA tests on a GPU; otherwise the host-read rounds.
+Routing (runtime/fixed_batch.py): every constant-k draft call takes these rounds, on the CPU and
+on CUDA; the "heuristic" schedules take the host-read rounds.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -48,14 +46,6 @@ from pagedkv.runtime.prefix_reuse import keep_rows
 from pagedkv.runtime.prompt_lookup import LookupSettings, LookupStats, prefill_rows
 from pagedkv.runtime.runner import ModelRunner, bucket, capture_step
 from pagedkv.runtime.sampler import Sampler
-
-ENV_SWITCH = "PAGEDKV_DRAFT_DEVICE_ROUNDS"
-
-
-def draft_rounds_wanted(device: torch.device) -> bool:
-    """Whether a constant-k draft call on `device` takes these rounds (the switch read now)."""
-    return device.type != "cuda" or os.environ.get(ENV_SWITCH) == "1"
-
 
 class DraftState(RoundState):
     """RoundState and the draft's side of a round: its block tables (MBd wide)."""

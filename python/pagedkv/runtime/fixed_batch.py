@@ -6,8 +6,7 @@ with no host work, replayed as one CUDA graph per batch bucket and settings.
 
 The host keeps one decode step queued ahead of it (runtime/decode_read_back.py). Prompt lookup,
 greedy or sampled, runs its rounds on the device too (runtime/lookup_rounds.py), and so do draft
-models with a constant num_assistant_tokens (runtime/draft_rounds.py; on CUDA only with
-PAGEDKV_DRAFT_DEVICE_ROUNDS=1 for now); draft models of the "heuristic" schedules verify in
+models with a constant num_assistant_tokens (runtime/draft_rounds.py); draft models of the "heuristic" schedules verify in
 rounds read back on the host (runtime/prompt_lookup.py).
 """
 

@@ -39,15 +39,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 import torch
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata
+from pagedkv.runtime.graph_branches import branches_supported, run_branches
 from pagedkv.runtime.prompt_lookup import LookupSettings, LookupStats, prefill_rows
 from pagedkv.runtime.runner import ModelRunner, bucket, capture_step
 from pagedkv.runtime.sampler import Sampler
 from pagedkv.runtime.speculative_sampling import nan_logits_error
+
+
+BRANCHES_SWITCH = "PAGEDKV_LOOKUP_BRANCHES"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,6 +92,7 @@ class RoundState:
         self.context_lens = torch.zeros(rows * width, **i32)  # [R * W]
         self.steps = torch.arange(width, **i64)  # [W]: 0 .. W - 1
         self.eos_ids = torch.tensor(key.eos_ids, **i64)  # [E]
+        self.decoded = torch.zeros(rows, width, **i64)  # [R, W]: a decode branch's tokens in column 0
 
     def start(self, prompts: list[list[int]], first: list[int], tables: list[list[int]],
               max_new: int, eos_ids: tuple[int, ...]) -> None:
@@ -124,7 +130,8 @@ class DeviceLookup:
     each with its buffers (a graph is replayed only with the buffers it captured)."""
 
     def __init__(self) -> None:
-        self._rounds: dict[RoundKey, tuple[object, RoundState, Sampler]] = {}
+        # (key, whether the round branches to a decode step) -> (replay, state, sampler)
+        self._rounds: dict[tuple[RoundKey, bool], tuple[object, RoundState, Sampler]] = {}
 
     def clear(self) -> None:
         self._rounds.clear()
@@ -156,28 +163,37 @@ class DeviceLookup:
 
     def _round(self, runner: ModelRunner, key: RoundKey, graphs: bool):
         """(replay, state, sampler) for key; replay() runs one round on the device."""
-        held = self._rounds.get(key) if graphs else None
+        branched = graphs and branched_rounds_wanted(key, runner.device)
+        held = self._rounds.get((key, branched)) if graphs else None
         if held is not None:
             return held
         block_size = runner.cache.block_size
         state = RoundState(key, block_size, runner.device)
         sampler = round_sampler(key, runner.device)
 
-        def one_round() -> None:
+        def propose() -> None:
             ops.lookup_propose(state.history, state.lengths, state.generated, state.done,
                                state.block_tables, state.feed, state.proposal_lens, state.positions,
                                state.slot_mapping, state.context_lens, state.max_new, key.k,
                                key.max_ngram, block_size)
+
+        def one_round() -> None:
+            propose()
             verify_and_accept(runner, state, sampler, key)
+
+        def branched_round() -> None:  # captured: a round where no row proposes is a decode step
+            propose()
+            run_branches((state.proposal_lens > 0).any(), lambda: verify_and_accept(runner, state, sampler, key),
+                         lambda: decode_and_accept(runner, state, key))
 
         if not graphs:
             return one_round, state, sampler
         # Captured with every row done (the state's start): the warm-up run writes no K/V and
-        # changes no row, only scratch buffers.
-        captured = capture_step(runner, ("lookup", key), one_round)
-        if captured is None:  # a fallback model's step that cannot be captured: eager
+        # changes no row, only scratch buffers (a branched round's warm-up runs both branches).
+        captured = capture_step(runner, ("lookup", key, branched), branched_round if branched else one_round)
+        if captured is None:  # a fallback model's step that cannot be captured: eager, unbranched
             return one_round, state, sampler
-        self._rounds[key] = (captured.replay, state, sampler)
+        self._rounds[key, branched] = (captured.replay, state, sampler)
         return captured.replay, state, sampler
 
 
@@ -206,6 +222,30 @@ def verify_and_accept(runner: ModelRunner, state: RoundState, sampler: Sampler, 
         last = state.history.gather(1, (state.lengths - 1).clamp(min=0).unsqueeze(1))  # [R, 1]
         state.bad.logical_or_(last.squeeze(1) < 0)
         state.done.logical_or_(state.bad)  # never fed: the host raises on the flag
+
+
+def branched_rounds_wanted(key: RoundKey, device: torch.device) -> bool:
+    """Whether captured rounds branch to a decode step when no row proposes: CUDA, a torch that
+    captures conditional nodes, greedy without min_new_tokens (the decode branch takes argmax;
+    sampled rounds draw per position through the round's sampler), not switched off with
+    PAGEDKV_LOOKUP_BRANCHES=0 (read per capture: benchmarks/bench_prompt_lookup.py's A/B)."""
+    return (device.type == "cuda" and branches_supported() and not key.do_sample and key.min_new == 0
+            and os.environ.get(BRANCHES_SWITCH, "1") != "0")
+
+
+def decode_and_accept(runner: ModelRunner, state: RoundState, key: RoundKey) -> None:
+    """Steps 2-4 of a round in which no row proposed (every proposal_lens 0): each row's fed
+    token alone, as a decode step runs it (its slot, position and context are column 0 of the
+    round's metadata), its argmax put where ops.lookup_accept reads a row's first token (it reads
+    nothing else of a row that proposed nothing). Device ops only."""
+    first = slice(0, None, key.width)  # fed slot 0 of each row in the [R * W] buffers
+    meta = ForwardMetadata(positions=state.positions[first].contiguous(),
+                           slot_mapping=state.slot_mapping[first].contiguous(),
+                           block_tables=state.block_tables, context_lens=state.context_lens[first].contiguous())
+    logits = runner.decoder.forward(state.feed[:, 0].contiguous(), meta)  # [R, V]
+    state.decoded[:, 0] = logits.argmax(-1)
+    ops.lookup_accept(state.decoded.view(-1), state.feed, state.proposal_lens, state.eos_ids, state.history,
+                      state.lengths, state.generated, state.done, state.stats, state.max_new)
 
 
 def first_tokens(sampler: Sampler, logits: torch.Tensor, settings: LookupSettings, width: int) -> list[int]:
