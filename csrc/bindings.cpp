@@ -6,6 +6,7 @@
 #include "cache_bindings.h"
 #include "kernels/peer_buffer_layout.h"
 #ifdef PAGEDKV_WITH_CUDA
+#include "cuda/graph_branch.h"
 #include "cuda/peer_all_reduce.h"
 #endif
 
@@ -15,6 +16,7 @@ PYBIND11_MODULE(_C, m) {
 #ifdef PAGEDKV_WITH_CUDA
   m.attr("with_cuda") = true;
   pagedkv::register_peer_buffer_bindings(m);
+  pagedkv::register_graph_branch_bindings(m);
 #else
   m.attr("with_cuda") = false;
 #endif

@@ -1,6 +1,6 @@
-"""runtime/graph_branches.py: a captured graph runs only the branch its device-side flag picks; the
-warm-up (not capturing) runs both. Prompt lookup's captured rounds branch to a decode step when no
-row proposes (runtime/lookup_rounds.py): the tokens and counts of unbranched rounds."""
+"""runtime/graph_branches.py: a branched graph runs only the branch its device-side flag picks.
+Prompt lookup's captured rounds branch to a decode step when no row proposes
+(runtime/lookup_rounds.py): the tokens and counts of unbranched rounds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 import pagedkv
 from pagedkv.runtime import lookup_rounds
-from pagedkv.runtime.graph_branches import branches_supported, run_branches
+from pagedkv.runtime.graph_branches import branches_supported
+from pagedkv.runtime.graphs import CudaGraphs
 from pagedkv.runtime.model import PREPARED_ATTR
 import test_lookup_rounds
 from test_lookup_rounds import mixed_rows
@@ -21,38 +22,34 @@ no_host_rounds = test_lookup_rounds.no_host_rounds  # the fixture
 
 def needs_branches():
     if not branches_supported():
-        pytest.skip(f"torch {torch.__version__} cannot capture CUDA graph conditional nodes")
-
-
-def test_not_capturing_runs_both_branches():
-    ran = []
-    run_branches(torch.tensor(True), lambda: ran.append("if"), lambda: ran.append("else"))
-    assert ran == ["if", "else"]
+        pytest.skip(f"this build or torch {torch.__version__} cannot branch graphs (graph_branches.branches_supported)")
 
 
 @pytest.mark.cuda
-def test_a_captured_graph_runs_only_the_branch_its_flag_picks():
+def test_a_branched_graph_runs_only_the_branch_its_flag_picks():
+    """The head copies a value the host sets into the flag; each replay runs the branch it
+    picks, with the head's other writes before it. The warm-up ran all three once."""
     needs_branches()
+    wanted = torch.zeros((), dtype=torch.bool, device="cuda")
     flag = torch.zeros((), dtype=torch.bool, device="cuda")
-    counts = torch.zeros(2, device="cuda")  # [2]: runs of the if branch, of the else branch
+    counts = torch.zeros(3, device="cuda")  # [3]: runs of the head, of the if branch, of the else branch
 
-    def step():
-        run_branches(flag, lambda: counts[0].add_(1), lambda: counts[1].add_(1))
+    def head():
+        flag.copy_(wanted)
+        counts[0].add_(1)
 
-    step()  # the warm-up runs both
+    graphs = CudaGraphs("test")
+    step = graphs.capture_branched("key", head, lambda: counts[1].add_(counts[0]),
+                                   lambda: counts[2].add_(1), flag)
     torch.cuda.synchronize()
-    assert counts.tolist() == [1, 1]
+    assert counts.tolist() == [1, 1, 1]  # the warm-up; capturing ran nothing
     counts.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    torch.cuda.synchronize()
-    assert counts.tolist() == [0, 0]  # capturing ran nothing
-    for value, expected in ((True, [1, 0]), (False, [1, 1]), (False, [1, 2]), (True, [2, 2])):
-        flag.fill_(value)
-        graph.replay()
+    for value, expected in ((True, [1, 1, 0]), (False, [2, 1, 1]), (False, [3, 1, 2]), (True, [4, 5, 2])):
+        wanted.fill_(value)
+        step.replay()
         torch.cuda.synchronize()
         assert counts.tolist() == expected, value
+    assert graphs.get("key") is step
 
 
 @pytest.mark.cuda
@@ -82,9 +79,9 @@ def test_branched_rounds_give_the_unbranched_rounds_tokens_and_counts(no_host_ro
         assert bool(decoded[True].any()) and not bool(decoded[False].any())
 
 
-@pytest.mark.cuda
 def test_sampled_rounds_do_not_branch():
-    key = lookup_rounds.RoundKey(1, 5, 4, 4, 2, 0, (), do_sample=True)
+    key = lookup_rounds.RoundKey(1, 5, 4, 4, 2, 0, (), True)
     assert not lookup_rounds.branched_rounds_wanted(key, torch.device("cuda"))
-    assert lookup_rounds.branched_rounds_wanted(lookup_rounds.RoundKey(1, 5, 4, 4, 2, 0, ()),
-                                                torch.device("cuda")) == branches_supported()
+    greedy = lookup_rounds.RoundKey(1, 5, 4, 4, 2, 0, (), False)
+    assert lookup_rounds.branched_rounds_wanted(greedy, torch.device("cuda")) == branches_supported()
+    assert not lookup_rounds.branched_rounds_wanted(greedy, torch.device("cuda"), native=False)

@@ -1,43 +1,53 @@
-"""A data-dependent branch inside a captured CUDA graph: two conditional IF nodes (CUDA 12.4+),
-captured through torch.cuda.CUDAGraph's capture-to-node methods, so that a replayed graph runs
-only the branch a device-side flag picks, with no host sync.
+"""A data-dependent branch inside a replayed CUDA graph, picked on the device: no host sync.
+
+Three graphs are captured with torch (head, if_true, if_false; their intermediates in the
+runner's graph pool, kept alive here) and pagedkv._C.BranchedGraph (csrc/kernels/graph_branch.cu)
+builds one graph of them: the head, a kernel that reads the bool flag the head wrote, and a
+conditional IF/ELSE node (CUDA 12.8+) whose two bodies are the branches. torch's own
+capture-to-conditional-node methods would do the same inside one capture, but the device's
+torch (2.11) does not have them.
 
 A prompt-lookup round (runtime/lookup_rounds.py) uses it: when no row found a proposal the round
-runs one decode row per sequence instead of k + 1 rows. On input-grounded prompts about a fifth
-of the rounds find none (lab/measurements.md, session 30), and on a small model a 1-row forward
-costs ~0.6x a k + 1-row one (the CUDA-core GEMV path instead of the tensor-core one, fewer
+runs one decode row per sequence instead of k + 1 rows. On the input-grounded prompts about a
+fifth of the rounds find none (lab/measurements.md, session 30), and on a small model a 1-row
+forward costs ~0.6x a k + 1-row one (the CUDA-core GEMV instead of the tensor-core one, fewer
 attention and norm rows).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
-_METHODS = ("get_currently_capturing_graph", "begin_capture_to_if_node", "end_capture_to_conditional_node")
+from pagedkv import _C
+
+logger = logging.getLogger(__name__)
 
 
 def branches_supported() -> bool:
-    """Whether this torch can capture conditional nodes (torch.cuda.CUDAGraph's methods)."""
-    return all(hasattr(torch.cuda.CUDAGraph, name) for name in _METHODS)
+    """Whether graphs can branch here: a CUDA build of pagedkv and a torch that keeps a captured
+    graph's cudaGraph_t (CUDAGraph(keep_graph=True).raw_cuda_graph())."""
+    return (getattr(_C, "with_cuda", False) and hasattr(_C, "BranchedGraph")
+            and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph"))
 
 
-def run_branches(flag: torch.Tensor, if_true: Callable[[], None], if_false: Callable[[], None]) -> None:
-    """On a stream being captured: IF(flag) if_true, IF(not flag) if_false, each captured into
-    its own conditional node (flag: a bool CUDA scalar, read when the graph is replayed). The
-    branches communicate only through buffers they write in place (a node has no outputs).
-    Not capturing (the warm-up run before a capture): both run, one after the other, so that
-    each branch's kernels, workspaces and allocations have run once before they are captured;
-    the caller makes them harmless then (runtime/lookup_rounds.py captures with every row done)."""
-    if not (flag.is_cuda and torch.cuda.is_current_stream_capturing()):
-        if_true()
-        if_false()
-        return
-    graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-    for condition, branch in ((flag, if_true), (torch.logical_not(flag), if_false)):
-        graph.begin_capture_to_if_node(condition)
-        try:
-            branch()
-        finally:
-            graph.end_capture_to_conditional_node()
+class BranchedGraph:
+    """head(), then if_true() where flag (a bool CUDA scalar the head writes) is set, else
+    if_false(), replayed as one graph launch."""
+
+    def __init__(self, pool, head: Callable[[], None], if_true: Callable[[], None],
+                 if_false: Callable[[], None], flag: torch.Tensor, capture) -> None:
+        """capture(graph, pool, step): graphs.py's capture of step into graph. The warm-up (run
+        by the caller) must have run all three steps."""
+        self.graphs = []  # [head, if_true, if_false]: their pool memory lives as long as they do
+        for step in (head, if_true, if_false):
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            capture(graph, pool, step)
+            self.graphs.append(graph)
+        self.flag = flag
+        self._launch = _C.BranchedGraph(*(g.raw_cuda_graph() for g in self.graphs), flag)
+
+    def replay(self) -> None:
+        self._launch.replay()

@@ -70,6 +70,30 @@ class CudaGraphs:
                     self.label, key, len(self._steps), (torch.cuda.memory_reserved() - reserved) / 1e6)
         return captured
 
+    def capture_branched(self, key: Hashable, head: Callable[[], None], if_true: Callable[[], None],
+                         if_false: Callable[[], None], flag: torch.Tensor) -> CapturedStep:
+        """As capture(), for a step of head(), then if_true() or if_false() as the bool CUDA
+        scalar `flag` (written by head) says, picked on the device (runtime/graph_branches.py).
+        The warm-up runs all three, so each must be harmless then whatever the flag."""
+        from pagedkv.runtime.graph_branches import BranchedGraph
+
+        home = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(home)
+        try:
+            torch.cuda.set_stream(side)
+            head(), if_true(), if_false()
+        finally:
+            torch.cuda.set_stream(home)
+        home.wait_stream(side)
+        reserved = torch.cuda.memory_reserved()
+        graph = BranchedGraph(self.pool, head, if_true, if_false, flag,
+                              lambda g, pool, step: _captured(g, pool, step, home))
+        captured = self._steps[key] = CapturedStep(graph, None, None, self.label)
+        logger.info("captured branched CUDA graph %s for %r (%d held); memory reserved grew by %.1f MB",
+                    self.label, key, len(self._steps), (torch.cuda.memory_reserved() - reserved) / 1e6)
+        return captured
+
     def clear(self) -> None:
         self._steps.clear()
 

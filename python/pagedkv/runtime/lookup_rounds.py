@@ -45,7 +45,8 @@ import torch
 
 from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata
-from pagedkv.runtime.graph_branches import branches_supported, run_branches
+from pagedkv.models.fallback import FallbackWeights
+from pagedkv.runtime.graph_branches import branches_supported
 from pagedkv.runtime.prompt_lookup import LookupSettings, LookupStats, prefill_rows
 from pagedkv.runtime.runner import ModelRunner, bucket, capture_step
 from pagedkv.runtime.sampler import Sampler
@@ -93,6 +94,7 @@ class RoundState:
         self.steps = torch.arange(width, **i64)  # [W]: 0 .. W - 1
         self.eos_ids = torch.tensor(key.eos_ids, **i64)  # [E]
         self.decoded = torch.zeros(rows, width, **i64)  # [R, W]: a decode branch's tokens in column 0
+        self.any_proposal = torch.zeros((), dtype=torch.bool, device=device)  # a branched round's flag
 
     def start(self, prompts: list[list[int]], first: list[int], tables: list[list[int]],
               max_new: int, eos_ids: tuple[int, ...]) -> None:
@@ -163,7 +165,7 @@ class DeviceLookup:
 
     def _round(self, runner: ModelRunner, key: RoundKey, graphs: bool):
         """(replay, state, sampler) for key; replay() runs one round on the device."""
-        branched = graphs and branched_rounds_wanted(key, runner.device)
+        branched = graphs and branched_rounds_wanted(key, runner.device, not isinstance(runner.model.weights, FallbackWeights))
         held = self._rounds.get((key, branched)) if graphs else None
         if held is not None:
             return held
@@ -181,17 +183,21 @@ class DeviceLookup:
             propose()
             verify_and_accept(runner, state, sampler, key)
 
-        def branched_round() -> None:  # captured: a round where no row proposes is a decode step
+        def propose_and_flag() -> None:  # a branched round's head: does any row propose?
             propose()
-            run_branches((state.proposal_lens > 0).any(), lambda: verify_and_accept(runner, state, sampler, key),
-                         lambda: decode_and_accept(runner, state, key))
+            state.any_proposal.copy_((state.proposal_lens > 0).any())
 
         if not graphs:
             return one_round, state, sampler
         # Captured with every row done (the state's start): the warm-up run writes no K/V and
         # changes no row, only scratch buffers (a branched round's warm-up runs both branches).
-        captured = capture_step(runner, ("lookup", key, branched), branched_round if branched else one_round)
-        if captured is None:  # a fallback model's step that cannot be captured: eager, unbranched
+        if branched:  # a round where no row proposes runs as a decode step
+            captured = runner.graphs.capture_branched(
+                ("lookup", key, True), propose_and_flag, lambda: verify_and_accept(runner, state, sampler, key),
+                lambda: decode_and_accept(runner, state, key), state.any_proposal)
+        else:
+            captured = capture_step(runner, ("lookup", key, False), one_round)
+        if captured is None:  # a fallback model's step that cannot be captured: eager
             return one_round, state, sampler
         self._rounds[key, branched] = (captured.replay, state, sampler)
         return captured.replay, state, sampler
@@ -224,13 +230,14 @@ def verify_and_accept(runner: ModelRunner, state: RoundState, sampler: Sampler, 
         state.done.logical_or_(state.bad)  # never fed: the host raises on the flag
 
 
-def branched_rounds_wanted(key: RoundKey, device: torch.device) -> bool:
-    """Whether captured rounds branch to a decode step when no row proposes: CUDA, a torch that
-    captures conditional nodes, greedy without min_new_tokens (the decode branch takes argmax;
+def branched_rounds_wanted(key: RoundKey, device: torch.device, native: bool = True) -> bool:
+    """Whether captured rounds branch to a decode step when no row proposes: CUDA, a build and
+    torch that can (graph_branches.branches_supported), a native model (a fallback model's HF
+    modules may not capture), greedy without min_new_tokens (the decode branch takes argmax;
     sampled rounds draw per position through the round's sampler), not switched off with
     PAGEDKV_LOOKUP_BRANCHES=0 (read per capture: benchmarks/bench_prompt_lookup.py's A/B)."""
-    return (device.type == "cuda" and branches_supported() and not key.do_sample and key.min_new == 0
-            and os.environ.get(BRANCHES_SWITCH, "1") != "0")
+    return (device.type == "cuda" and native and branches_supported() and not key.do_sample
+            and key.min_new == 0 and os.environ.get(BRANCHES_SWITCH, "1") != "0")
 
 
 def decode_and_accept(runner: ModelRunner, state: RoundState, key: RoundKey) -> None:
