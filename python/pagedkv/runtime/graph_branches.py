@@ -11,7 +11,10 @@ A prompt-lookup round (runtime/lookup_rounds.py) uses it: when no row found a pr
 runs one decode row per sequence instead of k + 1 rows. On the input-grounded prompts about a
 fifth of the rounds find none (lab/measurements.md, session 30), and on a small model a 1-row
 forward costs ~0.6x a k + 1-row one (the CUDA-core GEMV instead of the tensor-core one, fewer
-attention and norm rows).
+attention and norm rows). Measured (H100, session 30): the average round time did not drop
+measurably (1.30-1.35 ms branched, 1.30-1.34 unbranched, k 15); the saving on no-proposal
+rounds seems to be eaten by the boundaries between the three graphs (no programmatic-dependent-
+launch overlap across them). Whether it stays on is for a per-branch profile to decide.
 """
 
 from __future__ import annotations
