@@ -1,6 +1,6 @@
 """What a branched prompt-lookup round costs when no row proposes (runtime/graph_branches.py):
-on a random SmolLM2-shaped model (bf16) and a prompt of distinct random tokens, n-gram lookup
-finds nothing for most rounds, so each round should cost about a decode step if the decode
+on a SmolLM2-shaped model whose text never repeats (bf16) and a prompt of distinct random
+tokens, n-gram lookup finds nothing in most rounds, so each round should cost about a decode step if the decode
 branch works, and a k + 1-row verification if not. Prints ms per new token of: plain decode
 steps, branched rounds, unbranched rounds (PAGEDKV_LOOKUP_BRANCHES=0), and the rounds' counts.
 
@@ -22,11 +22,23 @@ from pagedkv.runtime.model import prepared
 
 
 def smollm2_shaped() -> LlamaForCausalLM:
+    """SmolLM2-135M's shape whose greedy next token is a fixed permutation (one long cycle) of the
+    current one: its layers add nothing (o_proj and down_proj zero), and the LM head's row pi(x)
+    is token x's embedding. Its text never repeats, so n-gram lookup finds nothing."""
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
-                         tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
+                         tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=100000.0)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        order = torch.randperm(config.vocab_size)
+        following = torch.empty_like(order)
+        following[order] = order.roll(-1)  # pi: each token's successor along one cycle
+        model.lm_head.weight[following] = model.model.embed_tokens.weight
+    return model.to("cuda", torch.bfloat16).eval()
 
 
 def timed(call, repeats: int) -> float:
@@ -57,7 +69,7 @@ def main() -> None:
             os.environ[BRANCHES_SWITCH] = switch
             seconds = timed(lambda: pagedkv.generate(model, ids, **greedy, **lookup), args.repeats)
             rows[name] = (seconds, prepared(model).fixed_batch.last_prompt_lookup)
-    print(f"random SmolLM2-shaped model, bf16, prompt 300 distinct tokens, {args.new} new, k {args.k}, n 4; "
+    print(f"SmolLM2-shaped model of non-repeating text, bf16, prompt 300 distinct tokens, {args.new} new, k {args.k}, n 4; "
           f"{torch.cuda.get_device_name()}")
     for name, (seconds, stats) in rows.items():
         extra = (f"; rounds {stats.rounds}, proposed {stats.proposed}, accepted {stats.accepted}, "
