@@ -38,6 +38,16 @@ inline void check_kv_scales(const at::Tensor& k_cache, const at::Tensor& q,
   }
 }
 
+// Attention sinks (GPT-OSS): None, or one fp32 logit per query head, contiguous, on q's device.
+inline void check_sinks(const std::optional<at::Tensor>& sinks, const at::Tensor& q) {
+  if (!sinks.has_value()) return;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == q.size(1) &&
+                  sinks->is_contiguous(),
+              "pagedkv: sinks has dtype ", sinks->scalar_type(), " and shape ", sinks->sizes(),
+              "; allowed: a contiguous torch.float32 tensor of num_q_heads (", q.size(1), ") elements");
+  check_same_device(*sinks, q, "sinks", "q");
+}
+
 // The options both ops share: a sliding window of keys and a logit softcap, 0 = off.
 inline void check_attention_options(int64_t sliding_window, double logit_softcap) {
   TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "pagedkv: sliding_window is ",

@@ -26,10 +26,12 @@ TORCH_LIBRARY(pagedkv, m) {
   // sliding_window > 0: only the last sliding_window tokens; logit_softcap > 0: scaled scores
   // capped to cap * tanh(score / cap) (both ops). k_scale, v_scale: the fp32 scales of an fp8
   // (e4m3) cache, K/V read as float(x) * scale (all three ops; None for a 16-bit cache).
+  // sinks: [num_q_heads] fp32 attention sinks (GPT-OSS): one logit per head that joins each
+  // row's softmax denominator and adds nothing to its output (both attention ops).
   m.def("paged_decode_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor! workspace, "
         "int num_splits=0, int sliding_window=0, float logit_softcap=0.0, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> ()");
+        "Tensor? v_scale=None, Tensor? sinks=None) -> ()");
   // The split count the CUDA path of paged_decode_attention picks from shapes and q's dtype
   // (host only).
   m.def("paged_decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int block_size, "
@@ -82,7 +84,7 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("paged_prefill_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale, "
         "int max_query_len, Tensor(a!)? workspace=None, int sliding_window=0, "
-        "float logit_softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+        "float logit_softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? sinks=None) -> ()");
   // The key splits the CUDA path of paged_prefill_attention picks from shapes, q's dtype and the
   // SM count (host only; max_tokens = max_blocks * block_size), and the fp32 floats of its
   // workspace (0 unsplit).

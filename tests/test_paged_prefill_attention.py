@@ -63,11 +63,12 @@ def make_batch(seqs, num_q_heads, num_kv_heads, head_dim, block_size, dtype, dev
 
 
 def reference_paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                            scale, dtype, window=0, softcap=0.0):
+                            scale, dtype, window=0, softcap=0.0, sinks=None):
     """Walks each sequence's block table, gathers its K/V rows and runs causal softmax attention
     of its new rows (the last q_len of its context) in `dtype`, softmax in fp32 at least; a query
     at position p sees keys j <= p with p - j < window (0: all), scores capped when softcap > 0.
-    Rows that see no key get zeros."""
+    sinks [Hq]: HF's GPT-OSS rule, each head's sink logit a last column of the softmax, dropped
+    after it. Rows that see no key get zeros."""
     num_q_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -91,7 +92,13 @@ def reference_paged_prefill(q, k_cache, v_cache, block_tables, context_lens, que
         if window > 0:  # HF's sliding-window mask
             visible &= positions[:, None] - keys < window
         scores = scores.to(softmax_dtype).masked_fill(~visible, float("-inf"))
-        p = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(dtype)  # no key visible: zeros
+        if sinks is not None:
+            sink = sinks.to(softmax_dtype).view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        if sinks is not None:
+            p = p[..., :-1] * visible.any(-1)[:, None]  # a row that sees no key stays zeros
+        p = p.to(dtype)  # no key visible: zeros
         out[start:end] = torch.einsum("kgin,nkd->ikgd", p, v).reshape(q_len, num_q_heads, head_dim)
     return out
 

@@ -24,7 +24,7 @@ template <typename T, typename C>
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& context_lens, float scale, int64_t window, float softcap,
-                  float k_scale, float v_scale) {
+                  float k_scale, float v_scale, const float* sinks) {
   const int64_t batch = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads, max_blocks = block_tables.size(1);
@@ -67,8 +67,11 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       }
       for (int64_t h = 0; h < group; ++h) {
         float* s = scores.data() + h * n;
-        const float max = n > 0 ? *std::max_element(s, s + n) : 0.f;
-        double sum = 0.0;
+        float max = n > 0 ? *std::max_element(s, s + n) : 0.f;
+        // A sink joins the softmax as one more logit with a zero value row (HF's max includes it).
+        const float sink = sinks != nullptr ? sinks[kv_head * group + h] : 0.f;
+        if (sinks != nullptr && n > 0) max = std::max(max, sink);
+        double sum = sinks != nullptr && n > 0 ? std::exp(static_cast<double>(sink) - max) : 0.0;
         for (int64_t t = 0; t < n; ++t) {
           s[t] = std::exp(s[t] - max);
           sum += s[t];
@@ -103,10 +106,13 @@ void paged_decode_attention_cpu(at::Tensor& out, const at::Tensor& q, const at::
                                 at::Tensor& workspace, int64_t num_splits,
                                 int64_t sliding_window, double logit_softcap,
                                 const std::optional<at::Tensor>& k_scale,
-                                const std::optional<at::Tensor>& v_scale) {
+                                const std::optional<at::Tensor>& v_scale,
+                                const std::optional<at::Tensor>& sinks) {
   check_paged_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, workspace,
                           num_splits);
   check_kv_scales(k_cache, q, k_scale, v_scale);
+  check_sinks(sinks, q);
+  const float* sink_logits = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   const bool fp8 = is_fp8_cache(k_cache);
   check_attention_options(sliding_window, logit_softcap);
   check_tables(block_tables, context_lens, k_cache.size(1), k_cache.size(0));
@@ -115,7 +121,7 @@ void paged_decode_attention_cpu(at::Tensor& out, const at::Tensor& q, const at::
       paged_decode<scalar_t, decltype(cache_tag)>(out, q, k_cache, v_cache, block_tables,
                                                   context_lens, static_cast<float>(scale),
                                                   sliding_window, static_cast<float>(logit_softcap),
-                                                  ks, vs);
+                                                  ks, vs, sink_logits);
     };
     if (fp8) run(c10::Float8_e4m3fn(), k_scale->item<float>(), v_scale->item<float>());
     else run(scalar_t(), 1.f, 1.f);

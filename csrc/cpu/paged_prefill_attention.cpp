@@ -43,7 +43,8 @@ template <typename T, typename C>
 void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                    const at::Tensor& context_lens, const at::Tensor& query_start_loc,
-                   float scale, int64_t window, float softcap, float k_scale, float v_scale) {
+                   float scale, int64_t window, float softcap, float k_scale, float v_scale,
+                   const float* sinks) {
   const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
@@ -103,8 +104,12 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
           float* s = scores.data() + r * keys;
           const int64_t seen = std::clamp<int64_t>(pos[r] + 1, 0, keys);
           const int64_t from = window > 0 ? std::clamp<int64_t>(pos[r] - window + 1, k0, seen) : 0;
-          const float max = seen > from ? *std::max_element(s + from, s + seen) : 0.f;
-          double sum = 0.0;
+          float max = seen > from ? *std::max_element(s + from, s + seen) : 0.f;
+          // A sink joins the softmax as one more logit with a zero value row (HF's max includes it).
+          const bool sink = sinks != nullptr && seen > from;
+          const float sink_logit = sink ? sinks[kv_head * group + r % group] : 0.f;
+          if (sink) max = std::max(max, sink_logit);
+          double sum = sink ? std::exp(static_cast<double>(sink_logit) - max) : 0.0;
           for (int64_t t = 0; t < keys; ++t) {
             s[t] = t >= from && t < seen ? std::exp(s[t] - max) : 0.f;
             sum += s[t];
@@ -144,10 +149,13 @@ void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& q, const at:
                                  const std::optional<at::Tensor>& workspace,
                                  int64_t sliding_window, double logit_softcap,
                                  const std::optional<at::Tensor>& k_scale,
-                                 const std::optional<at::Tensor>& v_scale) {
+                                 const std::optional<at::Tensor>& v_scale,
+                                 const std::optional<at::Tensor>& sinks) {
   check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            max_query_len, workspace);
   check_kv_scales(k_cache, q, k_scale, v_scale);
+  check_sinks(sinks, q);
+  const float* sink_logits = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   const bool fp8 = is_fp8_cache(k_cache);
   check_attention_options(sliding_window, logit_softcap);
   check_metadata(block_tables, context_lens, query_start_loc, q.size(0), max_query_len,
@@ -157,7 +165,7 @@ void paged_prefill_attention_cpu(at::Tensor& out, const at::Tensor& q, const at:
       paged_prefill<scalar_t, decltype(cache_tag)>(out, q, k_cache, v_cache, block_tables,
                                                    context_lens, query_start_loc,
                                                    static_cast<float>(scale), sliding_window,
-                                                   static_cast<float>(logit_softcap), ks, vs);
+                                                   static_cast<float>(logit_softcap), ks, vs, sink_logits);
     };
     if (fp8) run(c10::Float8_e4m3fn(), k_scale->item<float>(), v_scale->item<float>());
     else run(scalar_t(), 1.f, 1.f);

@@ -15,7 +15,8 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
                                       const at::Tensor& q, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                                       const at::Tensor& context_lens, double scale,
-                                      int64_t sliding_window, double logit_softcap) {
+                                      int64_t sliding_window, double logit_softcap,
+                                      const std::optional<at::Tensor>& sinks) {
   const int64_t elem = q.element_size();
   TORCH_CHECK(aligned16(q.const_data_ptr()) && aligned16(out.const_data_ptr()) &&
                   (q.stride(0) * elem) % 16 == 0 && (q.stride(1) * elem) % 16 == 0 &&
@@ -49,6 +50,7 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
   args.scale = static_cast<float>(scale);
   args.sliding_window = static_cast<int>(sliding_window);
   args.logit_softcap = static_cast<float>(logit_softcap);
+  args.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;  // check_sinks has run
 }
 
 // An fp8 (e4m3) cache: the simple kernel of kernels/paged_decode_attention_fp8.h, for both ops
@@ -59,10 +61,11 @@ inline void launch_paged_attention_fp8(at::Tensor& out, const at::Tensor& q,
                                        const at::Tensor& context_lens,
                                        const at::Tensor* query_start_loc, double scale,
                                        int64_t sliding_window, double logit_softcap,
-                                       const at::Tensor& k_scale, const at::Tensor& v_scale) {
+                                       const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                       const std::optional<at::Tensor>& sinks) {
   kernels::PagedFp8Args args{};
   fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                            sliding_window, logit_softcap);
+                            sliding_window, logit_softcap, sinks);
   args.query_start_loc = query_start_loc ? query_start_loc->const_data_ptr<int>() : nullptr;
   args.num_rows = static_cast<int>(q.size(0));
   args.k_scale = k_scale.const_data_ptr<float>();

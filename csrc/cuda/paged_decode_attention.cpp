@@ -29,21 +29,23 @@ void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at:
                                  at::Tensor& workspace, int64_t num_splits,
                                  int64_t sliding_window, double logit_softcap,
                                  const std::optional<at::Tensor>& k_scale,
-                                 const std::optional<at::Tensor>& v_scale) {
+                                 const std::optional<at::Tensor>& v_scale,
+                                 const std::optional<at::Tensor>& sinks) {
   check_paged_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, workspace,
                           num_splits);
   check_kv_scales(k_cache, q, k_scale, v_scale);
+  check_sinks(sinks, q);
   check_attention_options(sliding_window, logit_softcap);
   check_cuda_head_dim(q.size(2));
   check_cuda(q, "q");
   if (is_fp8_cache(k_cache)) {  // no splits: the workspace is not used
     launch_paged_attention_fp8(out, q, k_cache, v_cache, block_tables, context_lens, nullptr,
-                               scale, sliding_window, logit_softcap, *k_scale, *v_scale);
+                               scale, sliding_window, logit_softcap, *k_scale, *v_scale, sinks);
     return;
   }
   kernels::PagedDecodeArgs args{};
   fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                            sliding_window, logit_softcap);
+                            sliding_window, logit_softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
   const int num_sms = sm_count(q.device().index());
   if (num_splits == 0) num_splits = auto_num_splits(q, k_cache, block_tables, num_sms);

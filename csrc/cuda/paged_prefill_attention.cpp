@@ -19,10 +19,12 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
                                   const std::optional<at::Tensor>& workspace,
                                   int64_t sliding_window, double logit_softcap,
                                   const std::optional<at::Tensor>& k_scale,
-                                  const std::optional<at::Tensor>& v_scale) {
+                                  const std::optional<at::Tensor>& v_scale,
+                                  const std::optional<at::Tensor>& sinks) {
   check_paged_prefill_args(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            max_query_len, workspace);
   check_kv_scales(k_cache, q, k_scale, v_scale);
+  check_sinks(sinks, q);
   check_attention_options(sliding_window, logit_softcap);
   check_cuda_head_dim(q.size(2));
   check_cuda(q, "q");
@@ -30,14 +32,14 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
   if (is_fp8_cache(k_cache)) {  // no key splits: a workspace is not needed
     launch_paged_attention_fp8(out, q, k_cache, v_cache, block_tables, context_lens,
                                &query_start_loc, scale, sliding_window, logit_softcap, *k_scale,
-                               *v_scale);
+                               *v_scale, sinks);
     return;
   }
   const c10::cuda::CUDAGuard guard(q.device());
 
   kernels::PagedPrefillArgs args{};
   fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                            sliding_window, logit_softcap);
+                            sliding_window, logit_softcap, sinks);
   args.query_start_loc = query_start_loc.const_data_ptr<int>();
   args.num_tokens = static_cast<int>(q.size(0));
   args.max_query_len = static_cast<int>(max_query_len);

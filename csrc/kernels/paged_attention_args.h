@@ -26,6 +26,9 @@ struct PagedAttentionArgs {
   // scores become logit_softcap * tanh(score / logit_softcap) before the softmax (0: as they are).
   int sliding_window;
   float logit_softcap;
+  // [num_q_heads] fp32 attention sinks (GPT-OSS), or null: head h's softmax denominator gains
+  // exp(sinks[h]) and its output nothing (kernels/attention_sink.cuh folds it in at the end).
+  const float* sinks;
 };
 // Filled by the host compiler, read by nvcc's code: a POD keeps the two layouts identical (and the
 // structs deriving from it put their own fields after its tail padding, never inside it).

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/attention_sink.cuh"
 #include "kernels/common.cuh"
 #include "kernels/dependent_launch.cuh"
 #include "kernels/paged_decode_attention.h"
@@ -179,7 +180,10 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
       o[2] += weight * x.z;
       o[3] += weight * x.w;
     }
-    const float inv = 1.f / sum;  // sum >= 1: the split holds at least one token of the window
+    // sum >= 1: the split holds at least one token of the window. A sink is folded in once: here
+    // when this CTA has the whole softmax, else by the merge below.
+    const float inv = active == 1 && a.sinks != nullptr ? inv_sum_with_sink(max_all, sum, a.sinks[head0 + h])
+                                                        : 1.f / sum;
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] *= inv;
     if (active == 1) {
@@ -230,7 +234,8 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
       o[3] = fmaf(o[3], rescale, weight * x.w);
       max_all = new_max;
     }
-    const float inv = 1.f / sum;  // sum >= 1: the split holding the max adds >= 1
+    // sum >= 1: the split holding the max adds >= 1
+    const float inv = a.sinks != nullptr ? inv_sum_with_sink(max_all, sum, a.sinks[head0 + h]) : 1.f / sum;
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] *= inv;
     store4(out + h * a.out_stride_h + d, o);

@@ -98,7 +98,13 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) paged_fp8_kernel(const Page
     }
     max_score = new_max;
   }
-  const double inv = sum > 0.0 ? 1.0 / sum : 0.0;  // no key: zeros (a padding row)
+  double inv = sum > 0.0 ? 1.0 / sum : 0.0;  // no key: zeros (a padding row)
+  if (a.sinks != nullptr && sum > 0.0) {  // natural units here: the joint max of scores and sink
+    const float sink = a.sinks[h];
+    const float joint = fmaxf(max_score, sink);
+    const double rescale = exp(static_cast<double>(max_score - joint));
+    inv = rescale / fma(sum, rescale, exp(static_cast<double>(sink - joint)));
+  }
 #pragma unroll
   for (int j = 0; j < kMaxPerLane; ++j) {
     const int d = lane + 32 * j;

@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/attention_sink.cuh"
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/paged_decode_attention_common.cuh"

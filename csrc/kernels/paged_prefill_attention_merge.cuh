@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(kMergeThreads) paged_prefill_merge_kernel(cons
       o[3] = o[3] * rescale + weight * x.w;
       max_all = new_max;
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = a.sinks != nullptr ? inv_sum_with_sink(max_all, sum, a.sinks[w.head0 + r % w.heads])
+                                         : sum > 0.f ? 1.f / sum : 0.f;
     Vec<T, 4> v;
 #pragma unroll
     for (int j = 0; j < 4; ++j) v.v[j] = from_float<T>(o[j] * inv);

@@ -251,7 +251,8 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
         if (t == 0) *part.stats = make_float2(m[mt][i], total);
         continue;
       }
-      const float inv = total > 0.f ? 1.f / total : 0.f;  // a row before position 0: zeros
+      const float inv = a.sinks != nullptr ? inv_sum_with_sink(m[mt][i], total, a.sinks[w.head0 + r % w.heads])
+                                           : total > 0.f ? 1.f / total : 0.f;  // before position 0: zeros
       T* dst = output_row<T>(a, w, r);
 #pragma unroll
       for (int n = 0; n < kDimTiles; ++n) {

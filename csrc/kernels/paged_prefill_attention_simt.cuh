@@ -193,7 +193,8 @@ paged_prefill_simt_kernel(const PagedPrefillArgs a, const Plan plan) {
     const int r = rg + 32 * i;
     const float total = lanes_sum<8>(l[i]);
     if (r >= w.rows) continue;
-    const float inv = total > 0.f ? 1.f / total : 0.f;  // a row before position 0: zeros
+    const float inv = a.sinks != nullptr ? inv_sum_with_sink(m[i], total, a.sinks[w.head0 + r % w.heads])
+                                         : total > 0.f ? 1.f / total : 0.f;  // before position 0: zeros
     T* dst = output_row<T>(a, w, r);
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {

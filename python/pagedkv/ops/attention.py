@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedkv.ops._common import _kv_scales, _ops
+
+# The CUDA kernels' sink fold (csrc/kernels/attention_sink.cuh) was written and compiled without a
+# GPU: the ops take sinks on CUDA only with this set to 1 until tests/test_attention_sinks.py has
+# passed on one (the CPU op always takes them).
+CUDA_SINKS_SWITCH = "PAGEDKV_CUDA_SINKS"
+
+
+def _check_cuda_sinks(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    if sinks is not None and q.device.type == "cuda" and os.environ.get(CUDA_SINKS_SWITCH) != "1":
+        raise NotImplementedError(
+            "pagedkv: attention sinks on CUDA are not verified on a GPU yet; run on the CPU, or set "
+            f"{CUDA_SINKS_SWITCH}=1 to use the unverified kernels")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -53,6 +67,7 @@ def paged_decode_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int = 0, *, sliding_window: int = 0, logit_softcap: float = 0.0,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache: for each sequence b and query head h,
     ``out[b, h] = softmax(scale * K_b @ q[b, h]) @ V_b`` where K_b, V_b are the first
@@ -70,7 +85,10 @@ def paged_decode_attention(
     out. sliding_window > 0: the last sliding_window tokens only; logit_softcap > 0: scaled scores
     become ``cap * tanh(score / cap)`` (Gemma-2). Both on the CPU and CUDA.
     An fp8 cache (float8_e4m3fn) reads as ``float(x) * k_scale/v_scale``: see layers/attention.py.
+    sinks: [Hq] float32 attention sinks (GPT-OSS): head h's softmax denominator gains
+    ``exp(sinks[h])``, its output nothing (``softmax([scores, sink])[:-1] @ V``).
     """
+    _check_cuda_sinks(q, sinks)
     if out is None:
         out = torch.empty_like(q)
     if workspace is None:
@@ -78,14 +96,14 @@ def paged_decode_attention(
     k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
     _ops.paged_decode_attention(
         out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace, num_splits,
-        sliding_window, logit_softcap, k_scale, v_scale)
+        sliding_window, logit_softcap, k_scale, v_scale, sinks)
     return out
 
 
 @torch.library.register_fake("pagedkv::paged_decode_attention")
 def _paged_decode_attention_fake(out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace,
                                  num_splits=0, sliding_window=0, logit_softcap=0.0, k_scale=None,
-                                 v_scale=None) -> None:
+                                 v_scale=None, sinks=None) -> None:
     return None
 
 
@@ -126,6 +144,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None, *, sliding_window: int = 0, logit_softcap: float = 0.0,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of new tokens (prefill chunks of several sequences) over
     a paged KV cache that already holds them.
@@ -149,8 +168,9 @@ def paged_prefill_attention(
     ``paged_prefill_num_splits`` > 1 (on CUDA allocated here if None; under torch.compile or in
     a CUDA graph pass one in). sliding_window, logit_softcap: as paged_decode_attention (a row
     at position p sees keys j with p - j < sliding_window). k_scale, v_scale: an fp8 cache's, as
-    paged_decode_attention. Returns out.
+    paged_decode_attention. sinks: as paged_decode_attention. Returns out.
     """
+    _check_cuda_sinks(q, sinks)
     if out is None:
         out = torch.empty_like(q)
     k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
@@ -158,12 +178,12 @@ def paged_prefill_attention(
         workspace = paged_prefill_workspace(q, k_cache, block_tables, max_query_len)
     _ops.paged_prefill_attention(
         out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len,
-        workspace, sliding_window, logit_softcap, k_scale, v_scale)
+        workspace, sliding_window, logit_softcap, k_scale, v_scale, sinks)
     return out
 
 
 @torch.library.register_fake("pagedkv::paged_prefill_attention")
 def _paged_prefill_attention_fake(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                   scale, max_query_len, workspace=None, sliding_window=0,
-                                  logit_softcap=0.0, k_scale=None, v_scale=None) -> None:
+                                  logit_softcap=0.0, k_scale=None, v_scale=None, sinks=None) -> None:
     return None
