@@ -56,11 +56,13 @@ CASES = {
     # dense (cohere2, vaultgemma: sliding and full layers; vaultgemma, nanochat: softcaps)
     "biogpt": {}, "bitnet": GQA, "cohere2": dict(GQA, head_dim=64), "exaone": GQA,
     "glm4": dict(GQA, head_dim=64), "nanochat": GQA, "vaultgemma": dict(GQA, head_dim=64),
+    # attention sinks, biased experts with a clamped GLU, sliding and full layers, yarn rope
+    "gpt_oss": dict(GQA, head_dim=64, num_local_experts=4, num_experts_per_tok=2),
 }
 # Window types get one shorter than the test's sequences (19 + 16 tokens), with sliding and full
 # layers (the kernels compute windows on the CPU and CUDA alike).
 WINDOWS = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
-WINDOWED = ("afmoe", "cohere2", "cohere2_moe", "exaone_moe", "vaultgemma")
+WINDOWED = ("afmoe", "cohere2", "cohere2_moe", "exaone_moe", "vaultgemma", "gpt_oss")
 # Fields whose defaults are None in these types' configs, which their modules cannot build from.
 DEFAULTS_MISSING = {"hunyuan_v1_dense": dict(head_dim=128), "hunyuan_v1_moe": dict(head_dim=128),
                     "ministral": dict(head_dim=128),
@@ -248,3 +250,34 @@ def test_an_error_mid_forward_restores_the_model(monkeypatch):
     assert_nothing_held(model)
     assert torch.equal(pagedkv.generate(model, ids, attention_mask=mask, **GREEDY),
                        model.generate(ids, attention_mask=mask, **GREEDY))
+
+
+@pytest.fixture(autouse=True)
+def cuda_sinks(monkeypatch):
+    """GPT-OSS's attention sinks on CUDA (ops.CUDA_SINKS_SWITCH: unverified kernels until their
+    GPU tests pass)."""
+    monkeypatch.setenv(pagedkv.ops.CUDA_SINKS_SWITCH, "1")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpt_oss_sinks_that_decide_tokens(device):
+    """GPT-OSS with sinks large enough to change its greedy tokens (checked: HF's tokens with the
+    sinks zeroed differ) gives HF's tokens, decode and prefill."""
+    model = tiny("gpt_oss", device)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2.0)
+    ids, mask = tp_worker.left_padded([5, 19], 256, device, seed=2)
+    expected = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(pagedkv.generate(model, ids, attention_mask=mask, **GREEDY), expected)
+    with torch.no_grad():
+        saved = [layer.self_attn.sinks.clone() for layer in model.model.layers]
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)  # weight exp(-1e4): as if there were none
+    try:
+        assert not torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), expected)
+    finally:
+        with torch.no_grad():
+            for layer, s in zip(model.model.layers, saved):
+                layer.self_attn.sinks.copy_(s)
+    assert_nothing_held(model)

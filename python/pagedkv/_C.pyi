@@ -105,3 +105,10 @@ class CacheManager:
                    query_lens: Ints | None, padded_batch: int, pad_query_len: int = 1) -> tuple[int, int, int]:
         """Writes one step's metadata into buffer (CPU int32, layout.size elements), padding rows
         of pad_query_len tokens; returns (num_tokens, max_query_len, max_context_len)."""
+
+
+class BranchedGraph:
+    """A CUDA build's conditional graph (csrc/cuda/graph_branch.cpp, runtime/graph_branches.py)."""
+
+    def __init__(self, head: int, if_true: int, if_false: int, flag: torch.Tensor) -> None: ...
+    def replay(self) -> None: ...

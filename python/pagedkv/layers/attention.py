@@ -54,15 +54,16 @@ def attention_workspace(q: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: ForwardMetadata, scale: float,
                     workspace: torch.Tensor | None, *, sliding_window: int = 0,
-                    logit_softcap: float = 0.0) -> torch.Tensor:
+                    logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, Dh] (K/V of the new tokens already written) -> [T, Hq, Dh]. sliding_window > 0:
     a token at position p sees keys j with p - j < sliding_window (HF's window mask);
-    logit_softcap > 0: scaled scores become cap * tanh(score / cap) (Gemma-2); 0 = off."""
+    logit_softcap > 0: scaled scores become cap * tanh(score / cap) (Gemma-2); 0 = off.
+    sinks: [Hq] float32 attention sinks (GPT-OSS) or None."""
     if meta.query_start_loc is not None:
         return ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                            meta.query_start_loc, scale, meta.max_query_len,
                                            workspace=workspace, sliding_window=sliding_window,
-                                           logit_softcap=logit_softcap)
+                                           logit_softcap=logit_softcap, sinks=sinks)
     return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                       scale, workspace=workspace, sliding_window=sliding_window,
-                                      logit_softcap=logit_softcap)
+                                      logit_softcap=logit_softcap, sinks=sinks)

@@ -12,7 +12,7 @@ logit scales and softcapping) through `logits_to_keep`.
 Slower than models/llama.py (HF's eager modules, no fused kernels) but exact for what the
 attention function can express: causal self-attention with an optional scale, sliding
 window and score softcap (the module's, as HF passes them; computed on the CPU and CUDA alike). What
-it cannot (attention sinks, alibi, non-causal or cross-attention, recurrent layers) is refused by
+it cannot (alibi, non-causal or cross-attention, recurrent layers) is refused by
 `fallback_reason` before anything runs, and again here if a call asks.
 
 A decode step runs no host sync here (K/V go to the cache through ops.rope_and_write_kv with the
@@ -162,9 +162,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     call = _CALL.get()
     if call is None:
         raise RuntimeError("pagedkv's paged attention ran outside a pagedkv forward")
-    for name in ("s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"pagedkv's paged attention cannot apply {name} ({type(module).__name__})")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # GPT-OSS passes its sinks as s_aux
+    if sinks is not None:  # [Hq] logits, each head's one more softmax column with a zero value row
+        sinks = sinks.detach().float().contiguous()
     if not getattr(module, "is_causal", True) or key.shape[2] != query.shape[2]:
         raise NotImplementedError(f"pagedkv's paged attention runs causal self-attention only "
                                   f"({type(module).__name__})")
@@ -188,7 +188,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     softcap = float(kwargs.get("softcap") or 0.0)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or 0
     out = paged_attention(q, k_cache, v_cache, call.meta, float(scale), call.workspace,
-                          sliding_window=int(window), logit_softcap=softcap)  # [T, Hq, Dh]
+                          sliding_window=int(window), logit_softcap=softcap, sinks=sinks)  # [T, Hq, Dh]
     return out.to(query.dtype)[None], None
 
 

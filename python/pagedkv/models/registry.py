@@ -62,7 +62,9 @@ FALLBACK_MODEL_TYPES = ("apertus", "arcee", "codegen", "exaone4",
                         "afmoe", "biogpt", "bitnet", "cohere2", "cohere2_moe", "ernie4_5_moe",
                         "exaone", "exaone_moe", "flex_olmo", "glm4", "glm4_moe", "granitemoeshared",
                         "hunyuan_v1_moe", "mellum", "minimax_m2", "nanochat", "phimoe",
-                        "solar_open", "vaultgemma")
+                        "solar_open", "vaultgemma",
+                        # attention sinks (s_aux) through the ops' sinks
+                        "gpt_oss")
 SupportPath = Literal["native", "fallback"]
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rotary variants whose cos/sin depend only on the position (built once, up front); "dynamic"
