@@ -32,6 +32,7 @@ from pagedkv.layers.rotary import identity_rotation, rope_type
 from pagedkv.models.interleaved_rope import fuse_qkv_halves, permute_last
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
+from pagedkv.models.native_weights import NativeWeights
 
 COHERE_MODEL_TYPES = ("cohere",)
 
@@ -50,19 +51,9 @@ class CohereLayerWeights:
 
 
 @dataclasses.dataclass(slots=True)
-class CohereWeights:
+class CohereWeights(NativeWeights[CohereLayerWeights]):
     """DecoderWeights' interface (models/llama.py) for Cohere."""
 
-    embed: torch.Tensor  # [V, D]
-    layers: list[CohereLayerWeights]
-    final_norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    scale: float
     logit_scale: float  # HF multiplies the logits by it
 
 

@@ -30,6 +30,7 @@ from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
+from pagedkv.models.native_weights import NativeWeights
 from pagedkv.models.windows import layer_types, rope_kinds
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -56,20 +57,10 @@ class GemmaLayerWeights:
 
 
 @dataclasses.dataclass(slots=True)
-class GemmaWeights:
+class GemmaWeights(NativeWeights[GemmaLayerWeights]):
     """DecoderWeights' interface (models/llama.py) for the Gemma family."""
 
-    embed: torch.Tensor  # [V, D]
     embed_scale: torch.Tensor  # [] in the model's dtype: sqrt(D) rounded, as HF multiplies it
-    layers: list[GemmaLayerWeights]
-    final_norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    scale: float
     attn_softcap: float  # 0: none
     final_softcap: float  # 0: none
 

@@ -26,6 +26,7 @@ from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32
 from pagedkv.layers.moe import MoEWeights, moe_mlp, moe_weights
 from pagedkv.layers.rotary import identity_rotation
 from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES, fuse_qkv_halves
+from pagedkv.models.native_weights import NativeWeights
 from pagedkv.models.windows import layer_windows
 from pagedkv.quant.dispatch import LinearWeight, apply_gate_up_silu, apply_linear
 
@@ -47,19 +48,10 @@ class LayerWeights:
 
 
 @dataclasses.dataclass(slots=True)
-class DecoderWeights:
-    """The model's weights as the forward uses them; shapes in the field comments."""
+class DecoderWeights(NativeWeights[LayerWeights]):
+    """The model's weights as the forward uses them (the shared fields: models/native_weights.py);
+    shapes in the field comments."""
 
-    embed: torch.Tensor  # [V, D]
-    layers: list[LayerWeights]
-    final_norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied); [ceil(V / n), D] on n ranks
-    vocab_size: int  # V
-    num_heads: int  # on this rank (Hq / n under tensor parallelism)
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    scale: float
     windows: list[int]  # [num_layers]: each layer's sliding window, 0 = whole context (models/windows.py)
     # Granite's scalars (1.0 elsewhere, and then skipped): the embedding times embedding_multiplier,
     # each sublayer's output times residual_multiplier before its residual add, logits / logits_scaling.

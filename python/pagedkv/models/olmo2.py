@@ -35,6 +35,7 @@ from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32  # HF's
 from pagedkv.layers.rotary import identity_rotation, rope_type
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
+from pagedkv.models.native_weights import NativeWeights
 from pagedkv.models.windows import layer_types, rope_kinds
 
 OLMO2_MODEL_TYPES = ("olmo2", "olmo3")
@@ -58,19 +59,8 @@ class Olmo2LayerWeights:
 
 
 @dataclasses.dataclass(slots=True)
-class Olmo2Weights:
-    """DecoderWeights' interface (models/llama.py) for OLMo-2 and OLMo-3."""
-
-    embed: torch.Tensor  # [V, D]
-    layers: list[Olmo2LayerWeights]
-    final_norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    scale: float
+class Olmo2Weights(NativeWeights[Olmo2LayerWeights]):
+    """DecoderWeights' interface (models/llama.py) for OLMo-2 and OLMo-3: the shared fields only."""
 
 
 def _rope_types(config) -> list[str]:

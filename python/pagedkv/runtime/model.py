@@ -50,6 +50,7 @@ from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_
 from pagedkv.models.hf_quantized import QuantizedLinears, find_quantized, quantized_state, read_hf_quantized
 from pagedkv.models.interleaved_rope import PERMUTED_ROWS_MODEL_TYPES, interleaved_cos_sin
 from pagedkv.models.llama import DecoderWeights, extract_weights
+from pagedkv.models.native_weights import NativeWeights
 from pagedkv.models.windows import layer_type_cos_sin
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, Olmo2Weights, extract_olmo2_weights
 # PREPARED_ATTR: the attribute of the HF model that holds its PreparedModel (in the registry: its
@@ -134,8 +135,9 @@ def _changed_error(change: str, tp: bool, who: str) -> ModelChanged:
 
 @dataclasses.dataclass(eq=False)
 class PreparedModel:
+    # A native family's (DecoderWeights, GemmaWeights, Olmo2Weights, CohereWeights), or
     # FallbackWeights: a type pagedkv runs by the HF model's own modules (models/fallback.py).
-    weights: DecoderWeights | GemmaWeights | Olmo2Weights | CohereWeights | FallbackWeights
+    weights: NativeWeights | FallbackWeights
     # [max_positions, rot_dim] fp32 from the model's rotary (Gemma, OLMo-2/3: [tables, ...]); None: fallback
     cos_sin: torch.Tensor | None
     device: torch.device  # where the forward runs (a shard's device may differ from the HF model's)
@@ -230,7 +232,7 @@ def _copies(model, tp: TensorParallel | None) -> bool:  # a shard, or permuted q
     return tp is not None or model.config.model_type in PERMUTED_ROWS_MODEL_TYPES
 
 
-def weight_bytes(weights: DecoderWeights) -> int:
+def weight_bytes(weights: NativeWeights | FallbackWeights) -> int:
     """Bytes of the distinct tensors pagedkv runs (a tied LM head counted once)."""
     if isinstance(weights, FallbackWeights):
         return sum(p.numel() * p.element_size() for p in weights.model.parameters())
