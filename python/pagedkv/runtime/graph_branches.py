@@ -19,14 +19,11 @@ launch overlap across them). Whether it stays on is for a per-branch profile to 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 
 from pagedkv import _C
-
-logger = logging.getLogger(__name__)
 
 
 def branches_supported() -> bool:

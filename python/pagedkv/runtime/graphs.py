@@ -25,12 +25,14 @@ from typing import Any, Callable, Hashable
 import torch
 from torch.profiler import record_function
 
+from pagedkv.runtime.graph_branches import BranchedGraph
+
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
 class CapturedStep:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | BranchedGraph
     outputs: Any  # what the step returned during capture: the tensors each replay rewrites
     buffers: Any  # what the caller keeps with the graph (its static inputs)
     label: str
@@ -75,8 +77,6 @@ class CudaGraphs:
         """As capture(), for a step of head(), then if_true() or if_false() as the bool CUDA
         scalar `flag` (written by head) says, picked on the device (runtime/graph_branches.py).
         The warm-up runs all three, so each must be harmless then whatever the flag."""
-        from pagedkv.runtime.graph_branches import BranchedGraph
-
         home = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(home)
