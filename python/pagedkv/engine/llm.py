@@ -53,7 +53,7 @@ from pagedkv.runtime.sampler import Sampler
 
 
 class LLM(BatchAPI):
-    """Serve many requests of one HF Llama-family causal LM (Llama, Qwen2, Qwen3, Mistral).
+    """Serve many requests of one HF causal LM (every type pagedkv runs: docs/model_types.md).
 
     model: a loaded ``*ForCausalLM`` (on its device and dtype) or a name/path for
     ``from_pretrained``; tokenizer: needed for string prompts and output text (loaded with a
@@ -66,20 +66,17 @@ class LLM(BatchAPI):
     use_cuda_graphs: replay decode-only steps and verification steps without a prefill chunk as
     CUDA graphs (default on for CUDA models). overlap_steps: launch each step before the previous
     one's tokens are read back (default on for CUDA models; off, every step waits for the one before).
-    Speculative decoding (engine/speculation.py; steps run serially): HF's prompt lookup
-    (prompt_lookup_num_tokens k >= 1, max_matching_ngram_size), or a draft model on its own cache
-    (assistant_model, num_assistant_tokens); a request's SamplingParams may override k. A step
-    proposes only while it decodes at most speculative_max_batch sequences (None: always): past
-    that, verifying k + 1 rows a sequence costs more than the accepted tokens save.
+    Speculative decoding (engine/speculation.py; serial steps): HF's prompt lookup (prompt_lookup_num_tokens
+    k >= 1, max_matching_ngram_size) or a draft on its own cache (assistant_model, num_assistant_tokens),
+    k per request in SamplingParams; only steps of <= speculative_max_batch (None: any) decode rows propose.
 
     Threads may share an engine: its calls run one at a time (generate() and stream() hold it
     until they return or stop, so another thread's call waits for them).
     """
 
-    def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, kv_cache_memory: int | float | None = None,
-                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True,
+    def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 kv_cache_memory: int | float | None = None, num_kv_blocks: int | None = None,
+                 max_model_len: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
                  use_cuda_graphs: bool | None = None, overlap_steps: bool | None = None,
                  dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto", kv_cache_scales=None,
                  prompt_lookup_num_tokens: int = 0, max_matching_ngram_size: int | None = None,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedkv import _C
+from pagedkv._ext import _C
 
 
 def branches_supported() -> bool:

@@ -135,8 +135,7 @@ def _changed_error(change: str, tp: bool, who: str) -> ModelChanged:
 
 @dataclasses.dataclass(eq=False)
 class PreparedModel:
-    # A native family's (DecoderWeights, GemmaWeights, Olmo2Weights, CohereWeights), or
-    # FallbackWeights: a type pagedkv runs by the HF model's own modules (models/fallback.py).
+    # A native family's (models/native_weights.py), or FallbackWeights (models/fallback.py).
     weights: NativeWeights | FallbackWeights
     # [max_positions, rot_dim] fp32 from the model's rotary (Gemma, OLMo-2/3: [tables, ...]); None: fallback
     cos_sin: torch.Tensor | None
