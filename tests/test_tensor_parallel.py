@@ -4,6 +4,7 @@ same code inside CUDA graphs (several GPUs: benchmarks/bench_tensor_parallel.py 
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
@@ -89,7 +90,7 @@ def test_shards_put_back_together_are_the_weights(world_size):
 
 def test_vocabulary_that_does_not_split_evenly_is_padded():
     w = extract_weights(tiny_model("llama"))
-    w = type(w)(**{**{f: getattr(w, f) for f in w.__slots__}, "lm_head": w.lm_head[:255], "vocab_size": 255})
+    w = dataclasses.replace(w, lm_head=w.lm_head[:255], vocab_size=255)
     shards = [shard_weights(w, r, 2, torch.device("cpu")) for r in range(2)]
     assert [s.lm_head.shape[0] for s in shards] == [128, 128]
     assert torch.equal(torch.cat([s.lm_head for s in shards])[:255], w.lm_head)

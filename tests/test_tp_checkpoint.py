@@ -6,6 +6,7 @@ bad checkpoints are refused naming the file or tensor."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -46,7 +47,7 @@ def assert_same_weights(got: DecoderWeights, want: DecoderWeights) -> None:
         else:
             assert a == b, what
 
-    for field in DecoderWeights.__slots__:
+    for field in (f.name for f in dataclasses.fields(DecoderWeights)):  # NativeWeights' fields too
         if field != "layers":
             same(getattr(got, field), getattr(want, field), field)
     assert len(got.layers) == len(want.layers)
