@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import torch
@@ -18,7 +17,7 @@ from pagedkv.models.module_path import (ATTENTION_LINEARS, MLP_LINEARS, PathEntr
                                         head_dim_reason, outer_path, path_reason)
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
 from pagedkv.models.windows import layer_windows
-from pagedkv.ops.attention import CUDA_SINKS_SWITCH
+from pagedkv.ops.attention import CUDA_SINKS_SWITCH, cuda_sinks_allowed
 
 # Llama's decoder under other names: the same layers, norms, activation and rotary layout (read
 # from each type's HF modeling file). internlm3 and iquestcoder are LlamaForCausalLM with their own
@@ -152,7 +151,7 @@ def _sinks_reason(model) -> str | None:
     """Attention sinks (GPT-OSS) on CUDA without CUDA_SINKS_SWITCH: refused before anything
     runs (the kernels' sink fold has not run on a GPU yet)."""
     on_cuda = any(p.is_cuda for p in model.parameters())
-    if not on_cuda or os.environ.get(CUDA_SINKS_SWITCH) == "1":
+    if not on_cuda or cuda_sinks_allowed():
         return None
     if not any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
         return None

@@ -14,8 +14,13 @@ from pagedkv.ops._common import _kv_scales, _ops
 CUDA_SINKS_SWITCH = "PAGEDKV_CUDA_SINKS"
 
 
+def cuda_sinks_allowed() -> bool:
+    """Whether CUDA takes attention sinks (CUDA_SINKS_SWITCH set to 1, read per call)."""
+    return os.environ.get(CUDA_SINKS_SWITCH) == "1"
+
+
 def _check_cuda_sinks(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
-    if sinks is not None and q.device.type == "cuda" and os.environ.get(CUDA_SINKS_SWITCH) != "1":
+    if sinks is not None and q.device.type == "cuda" and not cuda_sinks_allowed():
         raise NotImplementedError(
             "pagedkv: attention sinks on CUDA are not verified on a GPU yet; run on the CPU, or set "
             f"{CUDA_SINKS_SWITCH}=1 to use the unverified kernels")

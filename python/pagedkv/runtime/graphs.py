@@ -55,15 +55,7 @@ class CudaGraphs:
     def capture(self, key: Hashable, step: Callable[[], Any], buffers: Any = None) -> CapturedStep:
         """Warm `step` up outside capture, capture it under `key`, and return it (not replayed:
         the capture itself runs nothing, so the caller replays it for the step at hand)."""
-        home = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(home)
-        try:
-            torch.cuda.set_stream(side)
-            step()
-        finally:
-            torch.cuda.set_stream(home)
-        home.wait_stream(side)
+        home = _warmed_up(step)
         graph = torch.cuda.CUDAGraph()
         reserved = torch.cuda.memory_reserved()  # what the graphs' pool grows by (no sync)
         outputs = _captured(graph, self.pool, step, home)
@@ -77,15 +69,7 @@ class CudaGraphs:
         """As capture(), for a step of head(), then if_true() or if_false() as the bool CUDA
         scalar `flag` (written by head) says, picked on the device (runtime/graph_branches.py).
         The warm-up runs all three, so each must be harmless then whatever the flag."""
-        home = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(home)
-        try:
-            torch.cuda.set_stream(side)
-            head(), if_true(), if_false()
-        finally:
-            torch.cuda.set_stream(home)
-        home.wait_stream(side)
+        home = _warmed_up(head, if_true, if_false)
         reserved = torch.cuda.memory_reserved()
         graph = BranchedGraph(self.pool, head, if_true, if_false, flag,
                               lambda g, pool, step: _captured(g, pool, step, home))
@@ -99,6 +83,23 @@ class CudaGraphs:
 
     def __len__(self) -> int:
         return len(self._steps)
+
+
+def _warmed_up(*steps: Callable[[], Any]) -> torch.cuda.Stream:
+    """Runs steps once, in order, on a side stream ordered after the current one (lazy
+    initialisations and cuBLAS workspaces happen outside any capture); returns the current
+    ("home") stream, which waits for them."""
+    home = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(home)
+    try:
+        torch.cuda.set_stream(side)
+        for step in steps:
+            step()
+    finally:
+        torch.cuda.set_stream(home)
+    home.wait_stream(side)
+    return home
 
 
 def _captured(graph: torch.cuda.CUDAGraph, pool, step: Callable[[], Any], home: torch.cuda.Stream) -> Any:

@@ -222,8 +222,7 @@ def verify_and_accept(runner: ModelRunner, state: RoundState, sampler: Sampler, 
         tokens = sampler(logits, before.int())  # [R * W]; sampled, -1 where NaN/inf logits
     else:  # the sampler's greedy token is exactly argmax; one reduction instead of its passes
         tokens = logits.argmax(-1)  # [R * W]
-    ops.lookup_accept(tokens, state.feed, state.proposal_lens, state.eos_ids, state.history,
-                      state.lengths, state.generated, state.done, state.stats, state.max_new)
+    accept(state, tokens)
     if key.do_sample:  # a -1 drawn is only ever emitted last (a proposal token is >= 0)
         last = state.history.gather(1, (state.lengths - 1).clamp(min=0).unsqueeze(1))  # [R, 1]
         state.bad.logical_or_(last.squeeze(1) < 0)
@@ -251,7 +250,13 @@ def decode_and_accept(runner: ModelRunner, state: RoundState, key: RoundKey) -> 
                            block_tables=state.block_tables, context_lens=state.context_lens[first].contiguous())
     logits = runner.decoder.forward(state.feed[:, 0].contiguous(), meta)  # [R, V]
     state.decoded[:, 0] = logits.argmax(-1)
-    ops.lookup_accept(state.decoded.view(-1), state.feed, state.proposal_lens, state.eos_ids, state.history,
+    accept(state, state.decoded.view(-1))
+
+
+def accept(state: RoundState, tokens: torch.Tensor) -> None:
+    """ops.lookup_accept of the round's state, given the model's token at each fed position
+    (tokens [R * W])."""
+    ops.lookup_accept(tokens, state.feed, state.proposal_lens, state.eos_ids, state.history,
                       state.lengths, state.generated, state.done, state.stats, state.max_new)
 
 
