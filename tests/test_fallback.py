@@ -252,13 +252,6 @@ def test_an_error_mid_forward_restores_the_model(monkeypatch):
                        model.generate(ids, attention_mask=mask, **GREEDY))
 
 
-@pytest.fixture(autouse=True)
-def cuda_sinks(monkeypatch):
-    """GPT-OSS's attention sinks on CUDA (ops.CUDA_SINKS_SWITCH: unverified kernels until their
-    GPU tests pass)."""
-    monkeypatch.setenv(pagedkv.ops.CUDA_SINKS_SWITCH, "1")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_gpt_oss_sinks_that_decide_tokens(device):
     """GPT-OSS with sinks large enough to change its greedy tokens (checked: HF's tokens with the
@@ -281,17 +274,3 @@ def test_gpt_oss_sinks_that_decide_tokens(device):
             for layer, s in zip(model.model.layers, saved):
                 layer.self_attn.sinks.copy_(s)
     assert_nothing_held(model)
-
-
-@pytest.mark.cuda
-def test_gpt_oss_on_cuda_is_refused_without_the_sinks_switch(monkeypatch):
-    """Until the CUDA sink fold is verified on a GPU, a model with sinks on CUDA is refused
-    before anything runs, naming the switch; the CPU model is not."""
-    monkeypatch.delenv(pagedkv.ops.CUDA_SINKS_SWITCH)
-    assert pagedkv.unsupported_reason(tiny("gpt_oss")) is None
-    model = tiny("gpt_oss", "cuda")
-    assert "PAGEDKV_CUDA_SINKS" in pagedkv.unsupported_reason(model)
-    with pytest.raises(pagedkv.UnsupportedModel, match="PAGEDKV_CUDA_SINKS"):
-        pagedkv.generate(model, torch.tensor([[3, 4, 5]], device="cuda"), max_new_tokens=2, pad_token_id=0)
-    with pytest.raises(pagedkv.UnsupportedModel, match="PAGEDKV_CUDA_SINKS"):
-        pagedkv.LLM(model)

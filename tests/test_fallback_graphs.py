@@ -322,7 +322,6 @@ def test_in_place_weight_writes_are_seen(device):
 def test_every_case_is_captured_or_runs_eagerly_on_cuda(model_type, caplog, monkeypatch):
     """Greedy fp32 tokens equal HF's with graphs on (the default), through generate() and LLM;
     each type is captured, or (EAGER_ON_CUDA) its capture failed and it runs eagerly, logged."""
-    monkeypatch.setenv(pagedkv.ops.CUDA_SINKS_SWITCH, "1")  # GPT-OSS: the unverified CUDA sink fold
     model = tiny(model_type, "cuda")
     if not fallback._dispatches_attention(type(model).__module__):
         pytest.skip(f"{model_type} is refused with this transformers")

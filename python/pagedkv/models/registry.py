@@ -17,7 +17,6 @@ from pagedkv.models.module_path import (ATTENTION_LINEARS, MLP_LINEARS, PathEntr
                                         head_dim_reason, outer_path, path_reason)
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
 from pagedkv.models.windows import layer_windows
-from pagedkv.ops.attention import CUDA_SINKS_SWITCH, cuda_sinks_allowed
 
 # Llama's decoder under other names: the same layers, norms, activation and rotary layout (read
 # from each type's HF modeling file). internlm3 and iquestcoder are LlamaForCausalLM with their own
@@ -144,20 +143,7 @@ def _fallback_path_reason(model, placement: bool) -> str | None:
     reason = head_dim_reason(config, SUPPORTED_HEAD_DIMS)
     if reason is not None:
         return reason
-    return _placement_reason(model, placement) or (_sinks_reason(model) if placement else None)
-
-
-def _sinks_reason(model) -> str | None:
-    """Attention sinks (GPT-OSS) on CUDA without CUDA_SINKS_SWITCH: refused before anything
-    runs (the kernels' sink fold has not run on a GPU yet)."""
-    on_cuda = any(p.is_cuda for p in model.parameters())
-    if not on_cuda or cuda_sinks_allowed():
-        return None
-    if not any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
-        return None
-    return (f"its attention has sinks (model_type {model.config.model_type!r}), which pagedkv's CUDA kernels "
-            f"compute but have not been verified on a GPU yet; run it on the CPU, or set "
-            f"{CUDA_SINKS_SWITCH}=1 to use the unverified kernels")
+    return _placement_reason(model, placement)
 
 
 def _placement_reason(model, placement: bool, quantized: set[int] = frozenset()) -> str | None:

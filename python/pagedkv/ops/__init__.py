@@ -16,7 +16,6 @@ import torch  # noqa: F401  (kept: `pagedkv.ops.torch` was importable)
 from pagedkv.ops._common import _C, _kv_scales, _ops  # noqa: F401
 from pagedkv.ops.activation import _silu_and_mul_fake, silu_and_mul  # noqa: F401
 from pagedkv.ops.attention import (  # noqa: F401
-    CUDA_SINKS_SWITCH,
     _num_sms,
     _paged_decode_attention_fake,
     _paged_prefill_attention_fake,

@@ -2,28 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pagedkv.ops._common import _kv_scales, _ops
-
-# The CUDA kernels' sink fold (csrc/kernels/attention_sink.cuh) was written and compiled without a
-# GPU: the ops take sinks on CUDA only with this set to 1 until tests/test_attention_sinks.py has
-# passed on one (the CPU op always takes them).
-CUDA_SINKS_SWITCH = "PAGEDKV_CUDA_SINKS"
-
-
-def cuda_sinks_allowed() -> bool:
-    """Whether CUDA takes attention sinks (CUDA_SINKS_SWITCH set to 1, read per call)."""
-    return os.environ.get(CUDA_SINKS_SWITCH) == "1"
-
-
-def _check_cuda_sinks(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
-    if sinks is not None and q.device.type == "cuda" and not cuda_sinks_allowed():
-        raise NotImplementedError(
-            "pagedkv: attention sinks on CUDA are not verified on a GPU yet; run on the CPU, or set "
-            f"{CUDA_SINKS_SWITCH}=1 to use the unverified kernels")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -93,7 +74,6 @@ def paged_decode_attention(
     sinks: [Hq] float32 attention sinks (GPT-OSS): head h's softmax denominator gains
     ``exp(sinks[h])``, its output nothing (``softmax([scores, sink])[:-1] @ V``).
     """
-    _check_cuda_sinks(q, sinks)
     if out is None:
         out = torch.empty_like(q)
     if workspace is None:
@@ -175,7 +155,6 @@ def paged_prefill_attention(
     at position p sees keys j with p - j < sliding_window). k_scale, v_scale: an fp8 cache's, as
     paged_decode_attention. sinks: as paged_decode_attention. Returns out.
     """
-    _check_cuda_sinks(q, sinks)
     if out is None:
         out = torch.empty_like(q)
     k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
