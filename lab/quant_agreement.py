@@ -5,7 +5,7 @@ HF eager on the weights the format's own package dequantizes (the reference both
     python lab/quant_agreement.py [--format nf4] [--layers 4] [--new 16] [--batch 4]
 
 Why: bench_quantized.py found HF's NF4 rows parting from pagedkv's at step 0 of 16 (int4: 15 of 16
-equal). This says whether pagedkv follows the dequantized weights (then HF's bitsandbytes forward is
+equal, then 6 of 16 once the int4 kernel's split-k order changed in session 31). This says whether pagedkv follows the dequantized weights (then HF's bitsandbytes forward is
 the one off, as tests/test_quantized_loaders.py saw on the CPU with double quantization) or not.
 """
 
@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -26,13 +27,20 @@ from bench_quantized import build_model  # noqa: E402
 from quantized_w1 import FORMATS, LINEARS, write_checkpoint  # noqa: E402
 
 import pagedkv  # noqa: E402
+from pagedkv.quant import dequantize, from_compressed_tensors_int4  # noqa: E402
 
 
-def dequantized_weight(module) -> torch.Tensor:
-    """The bf16 weight the format's own package makes of a quantized HF linear."""
+def dequantized_weight(module, stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The bf16 weight of a quantized HF linear: bitsandbytes' own dequantization for NF4; for
+    compressed-tensors int4, (stored - 8) * scale rounded once to bf16, as the format defines it,
+    from the checkpoint's tensors (`stored`, keys `name` + ".weight_packed" ...)."""
     if type(module).__name__ == "Linear4bit":
         import bitsandbytes.functional as bnb
         return bnb.dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.bfloat16)
+    if name + ".weight_packed" in stored:
+        w = from_compressed_tensors_int4(stored[name + ".weight_packed"], stored[name + ".weight_scale"],
+                                         stored[name + ".weight_shape"], 128)
+        return dequantize(w, torch.bfloat16).cuda()
     raise SystemExit(f"no dequantizer here for {type(module).__name__}")
 
 
@@ -55,7 +63,7 @@ def first_parting(a: torch.Tensor, b: torch.Tensor, logits: list[torch.Tensor] |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--format", choices=("nf4",), default="nf4")
+    parser.add_argument("--format", choices=("nf4", "int4"), default="nf4")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4)
@@ -72,13 +80,15 @@ def main() -> None:
         hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
         out = hf.generate(ids, max_new_tokens=args.new, do_sample=False, output_logits=True, return_dict_in_generate=True)
         theirs, their_logits = out.sequences[:, PROMPT:].cpu(), [t.cpu() for t in out.logits]
-        with torch.no_grad():  # the bf16 model with the package's dequantized weights
-            for theirs_layer, our_layer in zip(hf.model.layers, model.model.layers):
+        stored = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+        with torch.no_grad():  # the bf16 model with the format's dequantized weights
+            for i, (theirs_layer, our_layer) in enumerate(zip(hf.model.layers, model.model.layers)):
                 for part in ("self_attn", "mlp"):
                     for linear in LINEARS:
                         if hasattr(getattr(theirs_layer, part), linear):
-                            getattr(getattr(our_layer, part), linear).weight.copy_(
-                                dequantized_weight(getattr(getattr(theirs_layer, part), linear)))
+                            getattr(getattr(our_layer, part), linear).weight.copy_(dequantized_weight(
+                                getattr(getattr(theirs_layer, part), linear), stored,
+                                f"model.layers.{i}.{part}.{linear}"))
         del hf
         model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
         out = model.generate(ids, max_new_tokens=args.new, do_sample=False, output_logits=True, return_dict_in_generate=True)

@@ -135,6 +135,23 @@ def test_linear_w4a16(device, dtype, scale_dtype, group_size, in_features, out_f
                              reference=reference(x.double(), canonical, torch.float64))
 
 
+def launch_plan_widths() -> list[int]:
+    """Output widths that take each launch plan of the 4-bit tensor-core kernel (its tile count
+    against the SMs: <= 2 tiles of 16 rows an SM, <= 4, more), the last tile partial."""
+    sms = torch.cuda.get_device_properties("cuda").multi_processor_count
+    return [2 * sms * 16 - 5, 4 * sms * 16 - 5, 4 * sms * 16 + 40]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_every_launch_plan(rows):
+    for out_features in launch_plan_widths():
+        layer, canonical = random_layer(384, out_features, 128, torch.bfloat16, "cuda")
+        x = torch.randn(rows, 384, dtype=torch.bfloat16, device="cuda")
+        assert_close_to_baseline(linear_w4a16_weight(x, layer), baseline=reference(x, canonical, torch.bfloat16),
+                                 reference=reference(x.double(), canonical, torch.float64))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 8, 17])

@@ -14,6 +14,7 @@ from conftest import DEVICES
 from nf4_formats import bnb_dequantize
 from pagedkv.quant import Nf4Packed, Nf4Weight, dequantize_nf4, from_bnb_nf4, linear_nf4, linear_nf4_weight, pack_nf4
 from pagedkv.tools.quant_writers import NF4_CODE, to_bnb_nf4
+from test_quant_int4 import launch_plan_widths
 from tolerance import assert_close_to_baseline
 
 FORMAT_SHAPES = [(64, 8), (128, 24), (320, 17)]  # (in, out): at 17 rows, nested blocks of 32 (3, the last partial)
@@ -105,6 +106,17 @@ def test_linear_nf4(device, dtype, block_size, in_features, out_features, rows):
     out = torch.full((rows, out_features), float("nan"), dtype=dtype, device=device)
     linear_nf4_weight(x, layer, out=out)
     assert_matches_reference(out, x, canonical, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_every_launch_plan(rows):
+    """Output widths that take each launch plan of the 4-bit tensor-core kernel (see
+    test_quant_int4.launch_plan_widths)."""
+    for out_features in launch_plan_widths():
+        layer, canonical = random_layer(384, out_features, 64, "cuda")
+        x = torch.randn(rows, 384, dtype=torch.float16, device="cuda")
+        assert_matches_reference(linear_nf4_weight(x, layer), x, canonical, torch.float16)
 
 
 @pytest.mark.parametrize("device", DEVICES)

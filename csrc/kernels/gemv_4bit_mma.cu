@@ -36,10 +36,6 @@
 namespace pagedkv::kernels {
 namespace {
 
-constexpr int kSplit = 8;   // warps per CTA sharing one 16-row tile's k range: a W1 o/down
-                            // projection has 224 tiles, so 8 warps a tile keep ~14 warps an SM
-                            // loading
-constexpr int kUnroll = 4;  // 128-k steps loaded per warp before the first mma
 constexpr int kStepK = 128;  // k per step: 4 lanes (t) x 32 int4 values
 
 template <typename T>
@@ -137,7 +133,7 @@ struct Nf4Format {
 
 // out [m, n] = x [m, k] @ W^T. packed: [n, k / 32] 16-byte pieces of 32 4-bit values; F: the
 // format's constants (Int4Format, Nf4Format).
-template <typename T, typename F>
+template <typename T, typename F, int kUnroll, int kSplit>
 __global__ void __launch_bounds__(kSplit * 32)
     gemv_4bit_mma_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                          const uint4* __restrict__ packed, F format, int m, int n, int k) {
@@ -168,12 +164,11 @@ __global__ void __launch_bounds__(kSplit * 32)
   const int steps = (k + kStepK - 1) / kStepK;
   // Piece p of both rows times x. Every lane of the warp takes part in each mma; a lane whose
   // piece lies past k (k % 128 != 0) multiplies zeros of x (a zero word need not dequantize to 0).
-  const auto multiply = [&](const uint4& lo, const uint4& hi, int p) {
+  using Piece = typename F::Piece;
+  const auto multiply = [&](const uint4& lo, const uint4& hi, int p, const Piece& piece_lo, const Piece& piece_hi) {
     const bool inside = p < pieces;
     const uint32_t mask = inside ? x_mask : 0u;
     p = inside ? p : 0;
-    const typename F::Piece piece_lo = format.piece(row_lo, groups, p);
-    const typename F::Piece piece_hi = format.piece(row_hi, groups, p);
     const uint32_t lo_words[4] = {lo.x, lo.y, lo.z, lo.w};
     const uint32_t hi_words[4] = {hi.x, hi.y, hi.z, hi.w};
     const uint4* xv_ptr = reinterpret_cast<const uint4*>(x_row + static_cast<int64_t>(p) * 32);
@@ -194,23 +189,48 @@ __global__ void __launch_bounds__(kSplit * 32)
   };
 
   // Warp w takes steps w, w + kSplit, ... in chunks of kUnroll, every load of a chunk in flight
-  // before its first mma; a chunk's steps past the end load nothing and multiply zeros, so the
-  // last chunk costs one memory round trip too.
+  // before its first mma, the group constants (scale and zero, or absmax) with the weights: loaded
+  // at their first use they were a second memory round trip a chunk. A chunk's steps past the end
+  // load nothing and multiply zeros, so the last chunk costs one round trip too.
   for (int base = warp; base < steps; base += kUnroll * kSplit) {
     uint4 lo[kUnroll], hi[kUnroll];
+    Piece piece_lo[kUnroll], piece_hi[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int p = 4 * (base + u * kSplit) + t;
       lo[u] = load(w_lo, p);
       hi[u] = load(w_hi, p);
+      piece_lo[u] = format.piece(row_lo, groups, p < pieces ? p : 0);
+      piece_hi[u] = format.piece(row_hi, groups, p < pieces ? p : 0);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) multiply(lo[u], hi[u], 4 * (base + u * kSplit) + t);
+    for (int u = 0; u < kUnroll; ++u) {
+      multiply(lo[u], hi[u], 4 * (base + u * kSplit) + t, piece_lo[u], piece_hi[u]);
+    }
   }
 
   store_split_k_tile<T, kSplit>(c, partial, out, tile, m, n);
 }
 
+int device_sms() {
+  static int cached[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cached[device] = sms > 0 ? sms : 132;
+  }
+  return cached[device];
+}
+
+// The launch: kUnroll (128-k steps each warp has in flight, with their group constants) against
+// kSplit (warps sharing a 16-row tile), picked by the tile count. Measured on the W1 shapes
+// (benchmarks/bench_quant_linear.py, H100; lab/measurements.md, session 31): a matrix of few tiles
+// (<= 2 an SM: W1's o and down projections, 224 tiles) fills the SMs only with 16 warps a tile,
+// one step each in flight at 50 registers; int4 with up to 4 tiles an SM (qkv) is fastest at
+// 8 warps x 4 steps, larger ones (gate/up) at 8 x 2 (64 registers: 4 CTAs an SM, where 4 steps'
+// 74 allow 3). NF4's codebook lookups make it issue-bound sooner: one step in flight throughout.
 template <template <typename> class F, typename Make>
 cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packed, int m, int n,
                    int k, DType dtype, cudaStream_t stream, Make make_format) {
@@ -220,10 +240,21 @@ cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packe
     if constexpr (sizeof(T) != 2) {
       return cudaErrorInvalidValue;
     } else {
-      launch_dependent(gemv_4bit_mma_kernel<T, F<T>>, (n + 15) / 16, kSplit * 32, 0, stream,
-                       static_cast<T*>(out), static_cast<const T*>(x), x_stride,
-                       static_cast<const uint4*>(packed), make_format(tag), m, n, k);
-      return cudaGetLastError();
+      const auto go = [&](auto kernel, int split) {
+        launch_dependent(kernel, (n + 15) / 16, split * 32, 0, stream, static_cast<T*>(out),
+                         static_cast<const T*>(x), x_stride, static_cast<const uint4*>(packed),
+                         make_format(tag), m, n, k);
+        return cudaGetLastError();
+      };
+      const int tiles = (n + 15) / 16;
+      const int sms = device_sms();
+      if (tiles <= 2 * sms) return go(gemv_4bit_mma_kernel<T, F<T>, 1, 16>, 16);
+      if constexpr (std::is_same_v<F<T>, Int4Format<T>>) {
+        if (tiles <= 4 * sms) return go(gemv_4bit_mma_kernel<T, F<T>, 4, 8>, 8);
+        return go(gemv_4bit_mma_kernel<T, F<T>, 2, 8>, 8);
+      } else {
+        return go(gemv_4bit_mma_kernel<T, F<T>, 1, 8>, 8);
+      }
     }
   });
 }
