@@ -319,7 +319,7 @@ def test_in_place_weight_writes_are_seen(device):
 # -- CUDA: real captures ----------------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.parametrize("model_type", list(CASES))
-def test_every_case_is_captured_or_runs_eagerly_on_cuda(model_type, caplog, monkeypatch):
+def test_every_case_is_captured_or_runs_eagerly_on_cuda(model_type, caplog):
     """Greedy fp32 tokens equal HF's with graphs on (the default), through generate() and LLM;
     each type is captured, or (EAGER_ON_CUDA) its capture failed and it runs eagerly, logged."""
     model = tiny(model_type, "cuda")
