@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "cuda/linear_dequant.h"
+#include "cuda/torch_utils.h"
 #include "kernels/gemv_nf4.h"
 #include "linear_nf4_checks.h"
 
@@ -19,7 +20,8 @@ void linear_nf4_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
     return kernels::gemv_nf4(out2.data_ptr(), x2.const_data_ptr(), x2.stride(0), packed.const_data_ptr<uint8_t>(),
                              absmax.const_data_ptr<float>(), code.const_data_ptr<float>(),
                              static_cast<int>(x2.size(0)), static_cast<int>(out2.size(1)),
-                             static_cast<int>(x2.size(1)), static_cast<int>(block_size), kernel_dtype(x), stream);
+                             static_cast<int>(x2.size(1)), static_cast<int>(block_size),
+                             sm_count(x.device().index()), kernel_dtype(x), stream);
   };
   // The kernel reads 32 codes (16 bytes) at a time under one absmax: block_size a multiple of 32.
   const bool fits = block_size % 32 == 0 && block_size <= INT32_MAX;

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "cuda/linear_dequant.h"
+#include "cuda/torch_utils.h"
 #include "kernels/gemv_w4a16.h"
 #include "linear_w4a16_checks.h"
 
@@ -19,8 +20,8 @@ void linear_w4a16_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
     return kernels::gemv_w4a16(out2.data_ptr(), x2.const_data_ptr(), x2.stride(0), packed.const_data_ptr<int32_t>(),
                                scales.const_data_ptr(), zeros.const_data_ptr<uint8_t>(),
                                static_cast<int>(x2.size(0)), static_cast<int>(out2.size(1)),
-                               static_cast<int>(x2.size(1)), static_cast<int>(group_size), kernel_dtype(x),
-                               kernel_dtype(scales), stream);
+                               static_cast<int>(x2.size(1)), static_cast<int>(group_size),
+                               sm_count(x.device().index()), kernel_dtype(x), kernel_dtype(scales), stream);
   };
   // The checks already make group_size a multiple of 32 (one group per 16-byte piece) dividing k.
   linear_dequant_cuda(out, x, packed, true, stream_kernel,

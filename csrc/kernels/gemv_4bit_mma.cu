@@ -212,18 +212,6 @@ __global__ void __launch_bounds__(kSplit * 32)
   store_split_k_tile<T, kSplit>(c, partial, out, tile, m, n);
 }
 
-int device_sms() {
-  static int cached[64] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
-  if (cached[device] == 0) {
-    int sms = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cached[device] = sms > 0 ? sms : 132;
-  }
-  return cached[device];
-}
-
 // The launch: kUnroll (128-k steps each warp has in flight, with their group constants) against
 // kSplit (warps sharing a 16-row tile), picked by the tile count. Measured on the W1 shapes
 // (benchmarks/bench_quant_linear.py, H100; lab/measurements.md, session 31): a matrix of few tiles
@@ -233,27 +221,26 @@ int device_sms() {
 // 74 allow 3). NF4's codebook lookups make it issue-bound sooner: one step in flight throughout.
 template <template <typename> class F, typename Make>
 cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packed, int m, int n,
-                   int k, DType dtype, cudaStream_t stream, Make make_format) {
+                   int k, int num_sms, DType dtype, cudaStream_t stream, Make make_format) {
   if (m == 0 || n == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     if constexpr (sizeof(T) != 2) {
       return cudaErrorInvalidValue;
     } else {
-      const auto go = [&](auto kernel, int split) {
-        launch_dependent(kernel, (n + 15) / 16, split * 32, 0, stream, static_cast<T*>(out),
-                         static_cast<const T*>(x), x_stride, static_cast<const uint4*>(packed),
-                         make_format(tag), m, n, k);
+      const int tiles = (n + 15) / 16;
+      const auto go = [&]<int kUnroll, int kSplit>() {
+        launch_dependent(gemv_4bit_mma_kernel<T, F<T>, kUnroll, kSplit>, tiles, kSplit * 32, 0, stream,
+                         static_cast<T*>(out), static_cast<const T*>(x), x_stride,
+                         static_cast<const uint4*>(packed), make_format(tag), m, n, k);
         return cudaGetLastError();
       };
-      const int tiles = (n + 15) / 16;
-      const int sms = device_sms();
-      if (tiles <= 2 * sms) return go(gemv_4bit_mma_kernel<T, F<T>, 1, 16>, 16);
+      if (tiles <= 2 * num_sms) return go.template operator()<1, 16>();
       if constexpr (std::is_same_v<F<T>, Int4Format<T>>) {
-        if (tiles <= 4 * sms) return go(gemv_4bit_mma_kernel<T, F<T>, 4, 8>, 8);
-        return go(gemv_4bit_mma_kernel<T, F<T>, 2, 8>, 8);
+        if (tiles <= 4 * num_sms) return go.template operator()<4, 8>();
+        return go.template operator()<2, 8>();
       } else {
-        return go(gemv_4bit_mma_kernel<T, F<T>, 1, 8>, 8);
+        return go.template operator()<1, 8>();
       }
     }
   });
@@ -271,9 +258,9 @@ bool quant_mma_enabled() {
 
 cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int32_t* packed,
                            const void* scales, const uint8_t* zeros, int m, int n, int k,
-                           int group_size, DType dtype, cudaStream_t stream) {
+                           int group_size, int num_sms, DType dtype, cudaStream_t stream) {
   if (m > 8 || group_size <= 0 || group_size % 32 != 0 || k % group_size != 0) return cudaErrorInvalidValue;
-  return launch<Int4Format>(out, x, x_stride, packed, m, n, k, dtype, stream, [&](auto tag) {
+  return launch<Int4Format>(out, x, x_stride, packed, m, n, k, num_sms, dtype, stream, [&](auto tag) {
     using T = decltype(tag);
     return Int4Format<T>{static_cast<const T*>(scales), zeros, group_size};
   });
@@ -281,9 +268,9 @@ cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int
 
 cudaError_t gemv_nf4_mma(void* out, const void* x, int64_t x_stride, const uint8_t* packed,
                          const float* absmax, const float* code, int m, int n, int k,
-                         int block_size, DType dtype, cudaStream_t stream) {
+                         int block_size, int num_sms, DType dtype, cudaStream_t stream) {
   if (m > 8 || block_size <= 0 || block_size % 32 != 0 || k % block_size != 0) return cudaErrorInvalidValue;
-  return launch<Nf4Format>(out, x, x_stride, packed, m, n, k, dtype, stream, [&](auto tag) {
+  return launch<Nf4Format>(out, x, x_stride, packed, m, n, k, num_sms, dtype, stream, [&](auto tag) {
     using T = decltype(tag);
     return Nf4Format<T>{absmax, code, block_size, nullptr};
   });

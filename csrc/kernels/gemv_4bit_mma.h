@@ -10,18 +10,19 @@
 
 namespace pagedkv::kernels {
 
+// num_sms: the device's SM count (the launch plan compares the tile count with it).
 // Same operands and layout as gemv_w4a16 (gemv_w4a16.h), with scales in x's dtype (dtype) and
 // m <= 8. Each weight is dequantized to that dtype ((q - z) * s rounded once, as PyTorch's
 // dequantization in that dtype), products summed in fp32.
 cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int32_t* packed,
                            const void* scales, const uint8_t* zeros, int m, int n, int k,
-                           int group_size, DType dtype, cudaStream_t stream);
+                           int group_size, int num_sms, DType dtype, cudaStream_t stream);
 
 // Same operands and layout as gemv_nf4 (gemv_nf4.h), m <= 8. Each weight is code[q] * absmax in
 // fp32 rounded once to x's dtype (bitsandbytes' dequantize_4bit), products summed in fp32.
 cudaError_t gemv_nf4_mma(void* out, const void* x, int64_t x_stride, const uint8_t* packed,
                          const float* absmax, const float* code, int m, int n, int k,
-                         int block_size, DType dtype, cudaStream_t stream);
+                         int block_size, int num_sms, DType dtype, cudaStream_t stream);
 
 // PAGEDKV_QUANT_MMA=0 sends every row count of int4, NF4 and FP8 weights to the CUDA-core
 // kernels (an A/B switch, read once per process).

@@ -47,9 +47,10 @@ struct Nf4 {
 }  // namespace
 
 cudaError_t gemv_nf4(void* out, const void* x, int64_t x_stride, const uint8_t* packed, const float* absmax,
-                     const float* code, int m, int n, int k, int block_size, DType dtype, cudaStream_t stream) {
+                     const float* code, int m, int n, int k, int block_size, int num_sms, DType dtype,
+                     cudaStream_t stream) {
   if (m > 0 && m <= 8 && n > 0 && quant_mma_enabled()) {  // the tensor-core kernel
-    return gemv_nf4_mma(out, x, x_stride, packed, absmax, code, m, n, k, block_size, dtype, stream);
+    return gemv_nf4_mma(out, x, x_stride, packed, absmax, code, m, n, k, block_size, num_sms, dtype, stream);
   }
   const bool sizes_ok = block_size > 0 && block_size % Nf4::kPieceCols == 0 && k % block_size == 0;
   return gemv_dequant::launch(out, x, x_stride, packed, Nf4{absmax, code, block_size}, m, n, k, sizes_ok, dtype,

@@ -18,6 +18,7 @@ namespace pagedkv::kernels {
 // block_size % 32 == 0, k % block_size == 0, x_stride % 8 == 0, x and packed 16-byte aligned
 // (the launcher checks).
 cudaError_t gemv_nf4(void* out, const void* x, int64_t x_stride, const uint8_t* packed, const float* absmax,
-                     const float* code, int m, int n, int k, int block_size, DType dtype, cudaStream_t stream);
+                     const float* code, int m, int n, int k, int block_size, int num_sms, DType dtype,
+                     cudaStream_t stream);
 
 }  // namespace pagedkv::kernels

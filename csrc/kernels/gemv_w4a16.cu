@@ -50,11 +50,11 @@ struct W4A16 {
 
 cudaError_t gemv_w4a16(void* out, const void* x, int64_t x_stride, const int32_t* packed,
                        const void* scales, const uint8_t* zeros, int m, int n, int k, int group_size,
-                       DType dtype, DType scale_dtype, cudaStream_t stream) {
+                       int num_sms, DType dtype, DType scale_dtype, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   // Scales in x's dtype (what checkpoints of 16-bit models store): the tensor-core kernel.
   if (scale_dtype == dtype && m <= 8 && quant_mma_enabled()) {
-    return gemv_w4a16_mma(out, x, x_stride, packed, scales, zeros, m, n, k, group_size, dtype, stream);
+    return gemv_w4a16_mma(out, x, x_stride, packed, scales, zeros, m, n, k, group_size, num_sms, dtype, stream);
   }
   return dispatch_dtype(scale_dtype, [&](auto scale_tag) -> cudaError_t {
     using S = decltype(scale_tag);

@@ -19,6 +19,6 @@ namespace pagedkv::kernels {
 // (the launcher checks).
 cudaError_t gemv_w4a16(void* out, const void* x, int64_t x_stride, const int32_t* packed,
                        const void* scales, const uint8_t* zeros, int m, int n, int k, int group_size,
-                       DType dtype, DType scale_dtype, cudaStream_t stream);
+                       int num_sms, DType dtype, DType scale_dtype, cudaStream_t stream);
 
 }  // namespace pagedkv::kernels
