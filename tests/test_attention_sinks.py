@@ -43,12 +43,15 @@ def expected(q, k, v, table, lens, qsl, scale, window, sinks):
     return baseline, reference(q, k, v, table, lens, qsl, scale, torch.float64, window, 0.0, sinks)
 
 
-DECODE_CPU = [(torch.float32, 64, s) for s in SINK_SETS] + [(torch.bfloat16, 128, "mixed")]
-DECODE_CUDA = [(t, d, s) for t in (torch.bfloat16, torch.float16) for d in (64, 128) for s in SINK_SETS] + [
-    (torch.float32, 64, "mixed"), (torch.bfloat16, 256, "mixed"), (torch.bfloat16, 80, "moderate")]
+# (dtype, head_dim, sink set) of both ops; each adds a head size of its own below.
+CPU_GRID = [(torch.float32, 64, s) for s in SINK_SETS]
+CUDA_GRID = [(t, d, s) for t in (torch.bfloat16, torch.float16) for d in (64, 128) for s in SINK_SETS] + [
+    (torch.float32, 64, "mixed"), (torch.bfloat16, 256, "mixed")]
+DECODE_PARAMS = _device_params(CUDA_GRID + [(torch.bfloat16, 80, "moderate")], CPU_GRID + [(torch.bfloat16, 128, "mixed")])
+PREFILL_PARAMS = _device_params(CUDA_GRID + [(torch.bfloat16, 96, "moderate")], CPU_GRID + [(torch.bfloat16, 96, "mixed")])
 
 
-@pytest.mark.parametrize("device, dtype, head_dim, sink_set", _device_params(DECODE_CUDA, DECODE_CPU))
+@pytest.mark.parametrize("device, dtype, head_dim, sink_set", DECODE_PARAMS)
 @pytest.mark.parametrize("window", [0, 37])
 def test_decode_with_sinks(device, dtype, head_dim, sink_set, window):
     torch.manual_seed(0)
@@ -64,12 +67,7 @@ def test_decode_with_sinks(device, dtype, head_dim, sink_set, window):
     assert out[4].eq(0).all()  # a padding row (context 0) stays zeros
 
 
-PREFILL_CPU = [(torch.float32, 64, s) for s in SINK_SETS] + [(torch.bfloat16, 96, "mixed")]
-PREFILL_CUDA = [(t, d, s) for t in (torch.bfloat16, torch.float16) for d in (64, 128) for s in SINK_SETS] + [
-    (torch.float32, 64, "mixed"), (torch.bfloat16, 256, "mixed"), (torch.bfloat16, 96, "moderate")]
-
-
-@pytest.mark.parametrize("device, dtype, head_dim, sink_set", _device_params(PREFILL_CUDA, PREFILL_CPU))
+@pytest.mark.parametrize("device, dtype, head_dim, sink_set", PREFILL_PARAMS)
 @pytest.mark.parametrize("window", [0, 100])
 def test_prefill_with_sinks(device, dtype, head_dim, sink_set, window):
     """Chunks of many rows (one CTA's whole keys) and, on CUDA, few rows over long contexts
