@@ -162,7 +162,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     call = _CALL.get()
     if call is None:
         raise RuntimeError("pagedkv's paged attention ran outside a pagedkv forward")
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # GPT-OSS passes its sinks as s_aux
+    sinks = kwargs.get("s_aux")  # GPT-OSS passes its sinks as s_aux
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     if sinks is not None:  # [Hq] logits, each head's one more softmax column with a zero value row
         sinks = sinks.detach().float().contiguous()
     if not getattr(module, "is_causal", True) or key.shape[2] != query.shape[2]:
