@@ -22,8 +22,14 @@ the measured device-to-device copy bandwidth (timing.copy_bandwidth_gbs). Every 
 calls rotate among copies of the caches totalling > 4x the L2 ("cache copies"), so each call
 reads K/V from memory, as in a model step.
 
+`--kv-dtypes bf16,fp8` (the default; either alone): all of the above over bf16 caches, then a
+second table of pagedkv alone over e4m3 caches (torch.float8_e4m3fn: random normal values stored
+as x / scale, one fp32 scale for K and one for V, 1/16, so no value near e4m3's +-448 and no NaN
+byte; bf16 q and out), its GB/s counting the 1-byte K/V elements it reads, checked against dense
+SDPA on the dequantized cache in bf16 (exact: e4m3 values times a power of two).
+
     python benchmarks/bench_attention.py [--out DIR] [--device cuda|cpu] [--small]
-                                         [--table shuffled|sequential]
+                                         [--table shuffled|sequential] [--kv-dtypes bf16,fp8]
 --small runs small sizes (the default on the CPU), to smoke-test the script without a GPU.
 Prints and saves bench_attention.md and bench_attention.png.
 """
@@ -47,6 +53,8 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 POINTS = [(1, 1024), (1, 8192), (1, 32768), (16, 4096), (64, 2048), (256, 1024)]  # batch, context
 SMALL_POINTS = [(1, 256), (1, 2048), (4, 512), (16, 128)]
 DTYPE = torch.bfloat16
+FP8, FP8_SCALE = torch.float8_e4m3fn, 1 / 16  # a power of two: the dequantized cache is exact in bf16
+KV_DTYPES = ("bf16", "fp8")
 
 
 class FlashInferDecode:
@@ -93,20 +101,33 @@ def time_us(calls, device) -> float:
         return median_time_us(fn, device, graph=False)
 
 
-def bench_point(batch: int, context: int, device: str, table_order: str = "shuffled") -> dict:
+def decode_batch(batch: int, context: int, device: str, table_order: str, cache_dtype: torch.dtype):
+    """(cache copies, block table, context lens, q, K/V bytes a call reads) of one point. Copies of
+    the caches to rotate among: a 1x8192 bf16 cache (34 MB) fits the H100's 50 MB L2, and timing
+    repeats over one copy would measure the L2, not the memory a model step reads from."""
     max_blocks = context // BLOCK_SIZE
     num_blocks = batch * max_blocks
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    kv_bytes = 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
-    # Copies of the caches to rotate among: a 1x8192 cache (34 MB) fits the H100's 50 MB L2, and
-    # timing repeats over one copy would measure the L2, not the memory a model step reads from.
-    copies = copies_past_l2(kv_bytes, device)
-    caches = [(torch.randn(shape, dtype=DTYPE, device=device), torch.randn(shape, dtype=DTYPE, device=device))
-              for _ in range(copies)]
+    kv_bytes = 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * cache_dtype.itemsize
+
+    def random_cache():  # fp8: N(0, 1) stored as x / FP8_SCALE, clamped so that no byte is NaN
+        if cache_dtype != FP8:
+            return torch.randn(shape, dtype=cache_dtype, device=device)
+        return (torch.randn(shape, device=device) / FP8_SCALE).clamp(-448, 448).to(FP8)
+
+    caches = [(random_cache(), random_cache()) for _ in range(copies_past_l2(kv_bytes, device))]
     order = torch.randperm if table_order == "shuffled" else torch.arange
     table = order(num_blocks, device=device).view(batch, max_blocks).to(torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    return caches, table, lens, q, kv_bytes
+
+
+def bench_point(batch: int, context: int, device: str, table_order: str = "shuffled") -> dict:
+    max_blocks = context // BLOCK_SIZE
+    num_blocks = batch * max_blocks
+    caches, table, lens, q, kv_bytes = decode_batch(batch, context, device, table_order, DTYPE)
+    copies = len(caches)
     scale = HEAD_DIM**-0.5
     out = torch.empty_like(q)
     workspace = ops.paged_decode_workspace(q, caches[0][0], table)
@@ -181,25 +202,79 @@ def bench_point(batch: int, context: int, device: str, table_order: str = "shuff
     return row
 
 
-def main() -> None:
+def bench_fp8_point(batch: int, context: int, device: str, table_order: str = "shuffled") -> dict:
+    """pagedkv over an e4m3 cache: us, GB/s of the 1-byte K/V read (shuffled or in-order blocks)
+    and the max abs diff against dense SDPA on the dequantized cache."""
+    caches, table, lens, q, kv_bytes = decode_batch(batch, context, device, table_order, FP8)
+    k_scale, v_scale = (torch.full((1,), FP8_SCALE, dtype=torch.float32, device=device) for _ in range(2))
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(q)
+    workspace = ops.paged_decode_workspace(q, caches[0][0], table)
+
+    def pagedkv(k_cache, v_cache, table=table):
+        ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, out=out, workspace=workspace,
+                                   k_scale=k_scale, v_scale=v_scale)
+
+    def dequantized(cache):  # [B, Hkv, context, D] in bf16
+        return ((cache.to(DTYPE) * FP8_SCALE)[table.long()].view(batch, context, NUM_KV_HEADS, HEAD_DIM)
+                .transpose(1, 2))
+
+    row = {"point": f"{batch}x{context}", "splits": ops.paged_decode_num_splits(q, caches[0][0], table),
+           "copies": len(caches)}
+    pagedkv(*caches[0])
+    expected = F.scaled_dot_product_attention(q.unsqueeze(2), *map(dequantized, caches[0]), scale=scale,
+                                              enable_gqa=True).squeeze(2)
+    row["max_diff"] = (out.float() - expected.float()).abs().max().item()
+    row["pagedkv_us"] = time_us([lambda c=c: pagedkv(*c) for c in caches], device)
+    row["sequential_us"] = None
+    if table_order == "shuffled":
+        in_order = torch.arange(table.numel(), device=device).view_as(table).to(torch.int32)
+        row["sequential_us"] = time_us([lambda c=c: pagedkv(*c, table=in_order) for c in caches], device)
+    for name in ("pagedkv", "sequential"):
+        us = row[f"{name}_us"]
+        row[f"{name}_gbs"] = kv_bytes / (us * 1e-6) / 1e9 if us else None
+    return row
+
+
+def fp8_table(rows: list[dict], bf16_rows: list[dict], copy_gbs: float) -> str:
+    """The fp8 cache's rows; beside each, the bf16 cache's time at the same point over its own."""
+    bf16_us = {r["point"]: r["pagedkv_us"] for r in bf16_rows}
+    header = ["batch x context", "splits", "cache copies", "pagedkv us", "pagedkv GB/s", "% of copy BW",
+              "pagedkv GB/s, blocks in order", "bf16 cache us / fp8 cache us", "max abs diff vs SDPA (dequantized)"]
+    return markdown_table(header, [
+        [r["point"], r["splits"], r["copies"], r["pagedkv_us"], r["pagedkv_gbs"], 100 * r["pagedkv_gbs"] / copy_gbs,
+         r["sequential_gbs"] if r["sequential_gbs"] is not None else "n/a",
+         bf16_us[r["point"]] / r["pagedkv_us"] if r["point"] in bf16_us else "n/a", r["max_diff"]] for r in rows])
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small sizes (always on the CPU)")
     parser.add_argument("--table", choices=["shuffled", "sequential"], default="shuffled",
                         help="physical block order of the block tables (default shuffled)")
-    args = parser.parse_args()
+    parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES),
+                        help="comma-separated cache dtypes to time: bf16 (every system), fp8 (e4m3, pagedkv)")
+    args = parser.parse_args(argv)
+    kv_dtypes = args.kv_dtypes.split(",")
+    if set(kv_dtypes) - set(KV_DTYPES):
+        parser.error(f"--kv-dtypes {args.kv_dtypes!r}: a comma-separated list of {', '.join(KV_DTYPES)}")
     device = args.device
     small = args.small or device == "cpu"
     torch.manual_seed(0)
 
     copy_gbs = copy_bandwidth_gbs(device, nbytes=(1 << 26) if small else (1 << 30))
-    rows, notes = [], []
-    for batch, context in SMALL_POINTS if small else POINTS:
+    rows, fp8_rows, notes = [], [], []
+    for batch, context in (SMALL_POINTS if small else POINTS) if "bf16" in kv_dtypes else []:
         r = bench_point(batch, context, device, args.table)
         rows.append(r)
         if r.get("flashinfer_note"):  # why it did not run (once), or its accuracy (per point)
             notes.append(r["flashinfer_note"] if r["flashinfer_us"] is None else f"{r['point']}: {r['flashinfer_note']}")
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for batch, context in (SMALL_POINTS if small else POINTS) if "fp8" in kv_dtypes else []:
+        fp8_rows.append(bench_fp8_point(batch, context, device, args.table))
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -221,24 +296,32 @@ def main() -> None:
                    r["on_dense_gbs"] / r["dense_gbs"],
                    max(r["max_diff"], r["max_diff_prefill"], r["max_diff_on_dense"])] for r in rows]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    title = (f"W3 paged decode attention, {str(DTYPE).removeprefix('torch.')}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, "
+    caches = {"bf16": "bf16 caches", "fp8": f"fp8 e4m3 caches (scale 1/{1 / FP8_SCALE:g} for K and V, pagedkv only)"}
+    title = (f"W3 paged decode attention, {str(DTYPE).removeprefix('torch.')} q, "
+             f"{' and '.join(caches[d] for d in KV_DTYPES if d in kv_dtypes)}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, "
              f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, {args.table} blocks, {name}; "
              f"copy bandwidth {copy_gbs:.0f} GB/s")
-    text = markdown_table(header, table_rows)
+    text = "\n\n".join(
+        ([markdown_table(header, table_rows)] if rows else [])
+        + (["fp8 (e4m3) cache, pagedkv alone; GB/s of the 1-byte K/V elements read:\n\n"
+            + fp8_table(fp8_rows, rows, copy_gbs)] if fp8_rows else []))
     if notes:
         text += "\n\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes))
     save_table(args.out, "bench_attention", title, text)
-    series = {"pagedkv": [r["pagedkv_gbs"] for r in rows],
-              **({"pagedkv, blocks in order": [r["sequential_gbs"] for r in rows]}
-                 if args.table == "shuffled" else {}),
-              "pagedkv on dense SDPA's tensors": [r["on_dense_gbs"] for r in rows],
-              "pagedkv prefill kernel": [r["prefill_gbs"] for r in rows],
-              "gather+SDPA": [r["gather_gbs"] for r in rows],
-              "dense SDPA": [r["dense_gbs"] for r in rows]}
+    series = {} if not rows else {
+        "pagedkv": [r["pagedkv_gbs"] for r in rows],
+        **({"pagedkv, blocks in order": [r["sequential_gbs"] for r in rows]} if args.table == "shuffled" else {}),
+        "pagedkv on dense SDPA's tensors": [r["on_dense_gbs"] for r in rows],
+        "pagedkv prefill kernel": [r["prefill_gbs"] for r in rows],
+        "gather+SDPA": [r["gather_gbs"] for r in rows],
+        "dense SDPA": [r["dense_gbs"] for r in rows]}
     if any(r["flashinfer_gbs"] for r in rows):
         series["FlashInfer"] = [r["flashinfer_gbs"] or 0.0 for r in rows]
+    if fp8_rows:
+        series["pagedkv, fp8 cache"] = [r["pagedkv_gbs"] for r in fp8_rows]
     plot_title = f"W3 paged decode attention, {name}; copy bandwidth {copy_gbs:.0f} GB/s"
-    save_bar_plot(args.out, "bench_attention", plot_title, [r["point"] for r in rows], series, "GB/s of K/V read")
+    save_bar_plot(args.out, "bench_attention", plot_title, [r["point"] for r in rows or fp8_rows], series,
+                  "GB/s of K/V read")
 
 
 if __name__ == "__main__":

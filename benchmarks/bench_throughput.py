@@ -6,11 +6,15 @@ against HF's continuous batching (``generate_batch``'s manager, attn_implementat
 time for both.
 
     python benchmarks/bench_throughput.py [--out DIR] [--num-requests 256] [--no-hf] [--small]
-                                          [--serial-too]
+                                          [--serial-too] [--kv-cache-dtype auto|fp8]
 
 --small: a 2-layer narrow model, 16 short requests, on the CPU (a smoke test of the script).
 --serial-too: also run pagedkv.LLM with overlap_steps=False (each step waits for the one before),
 the engine's own A/B of its host/device overlap in the same run.
+--kv-cache-dtype fp8: pagedkv.LLM stores K/V as e4m3 (kv_cache_dtype="fp8") with LLM's default
+scales (the random-weight model carries no k_scale/v_scale: 1.0 for K and V in every layer; the
+table says which it used); default auto, the model's dtype. HF has no fp8 cache: its row keeps its
+model-dtype cache, and each row's "of the bound" is against the bound of its own cache's bytes.
 """
 
 from __future__ import annotations
@@ -63,10 +67,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def cache_label(cache) -> str:
+    """The KV cache as the table names it: its dtype, and an fp8 cache's per-layer scales."""
+    if cache.kv_scales is None:
+        return str(cache.kv.dtype).removeprefix("torch.")
+    low, high = cache.kv_scales.min().item(), cache.kv_scales.max().item()
+    scales = f"scale {low:g}" if low == high else f"scales {low:g} to {high:g}"
+    return f"fp8 e4m3, {scales} (K and V, every layer)"
+
+
 def run_pagedkv(model, prompts, max_tokens, device, args, overlap_steps: bool | None = None
-                ) -> tuple[float, int, list[tuple[float, int]]]:
-    """(seconds, output tokens, [(t, cumulative output tokens)] after each step)."""
+                ) -> tuple[float, int, list[tuple[float, int]], str]:
+    """(seconds, output tokens, [(t, cumulative output tokens)] after each step, cache_label)."""
     llm = pagedkv.LLM(model, max_num_seqs=args.max_num_seqs, overlap_steps=overlap_steps,
+                      kv_cache_dtype=args.kv_cache_dtype,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=4096 if device == "cuda" else 2048,
                       kv_cache_memory=args.kv_cache_fraction if device == "cuda" else 256 << 20)
@@ -90,11 +104,12 @@ def run_pagedkv(model, prompts, max_tokens, device, args, overlap_steps: bool | 
     sync(device)
     seconds = time.perf_counter() - start
     tokens = llm.stats.num_generated_tokens - generated0
-    print(f"pagedkv: {llm.stats}")
+    cache = cache_label(llm.cache)
+    print(f"pagedkv: {llm.stats}, KV cache {cache}")
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
-    return seconds, tokens, timeline
+    return seconds, tokens, timeline, cache
 
 
 def run_hf(model, prompts, max_tokens, device) -> tuple[float, int, list[tuple[float, int]]]:
@@ -148,7 +163,7 @@ def rate_curve(timeline: list[tuple[float, int]], bins: int = 60) -> tuple[list[
 
 
 def save_rate_plot(out_dir: pathlib.Path, curves: dict[str, list[tuple[float, int]]],
-                   bound: float | None = None) -> pathlib.Path:
+                   bound: float | None = None, bound_label: str = "bound") -> pathlib.Path:
     """Left: tok/s over time, log scale (HF runs ~35x slower, flat on a linear axis); right: each
     system's end-to-end tok/s beside the bound."""
     import matplotlib
@@ -171,7 +186,7 @@ def save_rate_plot(out_dir: pathlib.Path, curves: dict[str, list[tuple[float, in
     for i, rate in enumerate(rates):
         bars.text(rate, i, f" {rate:,.0f}", va="center", fontsize=8)
     if bound is not None:
-        bars.axvline(bound, color="k", linestyle="--", label=f"bound {bound:,.0f}")
+        bars.axvline(bound, color="k", linestyle="--", label=f"{bound_label} {bound:,.0f}")
         bars.legend(fontsize=8, loc="lower right")
     if max(rates + [bound or 0]) > 10 * min(rates):  # HF beside pagedkv: a log axis
         from matplotlib.ticker import NullFormatter
@@ -189,18 +204,40 @@ def save_rate_plot(out_dir: pathlib.Path, curves: dict[str, list[tuple[float, in
     return path
 
 
-def main() -> None:
+def kv_bounds(model, prompts, max_tokens, copy_gbs: float, tflops: float, kv_size: int
+              ) -> tuple[dict[int, float], str]:
+    """W2's bound in tok/s by bytes per cached K/V element, for pagedkv's cache (kv_size) and HF's
+    (the model's dtype), and the note that explains them."""
+    model_kv_size = model.dtype.itemsize
+    whose = {kv_size: "pagedkv's cache"}
+    whose[model_kv_size] = "HF's cache" if model_kv_size != kv_size else "pagedkv's and HF's caches"
+    bounds, notes = {}, []
+    for size, who in whose.items():
+        decode_s, prefill_s = w2_bound_seconds(model, prompts, max_tokens, copy_gbs, tflops, size)
+        bounds[size] = sum(max_tokens) / (decode_s + prefill_s)
+        notes.append(f"{bounds[size]:,.0f} tok/s with K/V at {size} B an element ({who}; "
+                     f"decode {decode_s:.2f} s, prefill {prefill_s:.2f} s)")
+    return bounds, (
+        f"\n\nBound (benchmarks/throughput_bound.py): every decode step reads the weights and each running "
+        f"sequence's K/V once at the measured copy bandwidth {copy_gbs:.0f} GB/s, all requests running from "
+        f"the first step, plus the prompts' FLOPs at {tflops:.0f} TFLOP/s: " + "; ".join(notes)
+        + ". Each row's \"of the bound\" is against its own cache's.")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--kv-cache-fraction", type=float, default=0.8)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="pagedkv.LLM's KV cache: auto (the model's dtype) or fp8 (e4m3)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF's continuous batching")
     parser.add_argument("--small", action="store_true", help="tiny model, 16 short requests, CPU")
     parser.add_argument("--serial-too", action="store_true",
                         help="also run pagedkv.LLM with overlap_steps=False")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = "cpu" if args.small or not torch.cuda.is_available() else "cuda"
     if args.small:
         args.num_requests, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 256
@@ -210,48 +247,51 @@ def main() -> None:
         copy_gbs, tflops = copy_bandwidth_gbs(device, 4 << 30), matmul_tflops(device)
         torch.cuda.empty_cache()
     model = build_model(args.small, device)
+    # Bytes per cached K/V element, HF's (the model's dtype) and pagedkv's: each row's bound counts its own.
+    model_kv_size = model.dtype.itemsize
+    kv_size = torch.float8_e4m3fn.itemsize if args.kv_cache_dtype == "fp8" else model_kv_size
+    hf_cache = str(model.dtype).removeprefix("torch.") + (" (HF has no fp8 cache)" if kv_size != model_kv_size else "")
+    # The plot's labels name the caches too when they differ.
+    tag, hf_tag = ("", "") if kv_size == model_kv_size else (", fp8 cache", f", {hf_cache.split()[0]} cache")
 
-    results, curves = {}, {}
-    seconds, tokens, timeline = run_pagedkv(model, prompts, max_tokens, device, args)
-    results["pagedkv.LLM"] = (seconds, tokens)
-    curves["pagedkv.LLM"] = timeline
+    results, curves = {}, {}  # name: (seconds, output tokens, KV cache, bytes per K/V element)
+    seconds, tokens, timeline, cache = run_pagedkv(model, prompts, max_tokens, device, args)
+    results["pagedkv.LLM"] = (seconds, tokens, cache, kv_size)
+    curves[f"pagedkv.LLM{tag}"] = timeline
     print(f"pagedkv.LLM: {tokens} output tokens in {seconds:.2f} s, {tokens / seconds:,.0f} tok/s", flush=True)
     if args.serial_too:
-        seconds, tokens, timeline = run_pagedkv(model, prompts, max_tokens, device, args, overlap_steps=False)
-        results["pagedkv.LLM, serial steps"] = (seconds, tokens)
-        curves["pagedkv.LLM, serial steps"] = timeline
+        seconds, tokens, timeline, cache = run_pagedkv(model, prompts, max_tokens, device, args, overlap_steps=False)
+        results["pagedkv.LLM, serial steps"] = (seconds, tokens, cache, kv_size)
+        curves[f"pagedkv.LLM, serial steps{tag}"] = timeline
         print(f"pagedkv.LLM, serial steps: {tokens / seconds:,.0f} tok/s", flush=True)
     hf_note = ""
     if not args.no_hf:
         try:
             seconds, tokens, timeline = run_hf(model, prompts, max_tokens, device)
-            results["HF generate_batch (paged|sdpa)"] = (seconds, tokens)
-            curves["HF generate_batch (paged|sdpa)"] = timeline
+            results["HF generate_batch (paged|sdpa)"] = (seconds, tokens, hf_cache, model_kv_size)
+            curves[f"HF generate_batch (paged|sdpa){hf_tag}"] = timeline
         except Exception as error:  # an older/newer transformers without this API: say so
             hf_note = f"HF generate_batch unavailable here: {type(error).__name__}: {error}"
             print(hf_note)
     hf = results.get("HF generate_batch (paged|sdpa)")
-    bound_note, bound = "", None
+    bounds, bound_note = {}, ""
     if device == "cuda":
-        decode_s, prefill_s = w2_bound_seconds(model, prompts, max_tokens, copy_gbs, tflops)
-        bound = sum(max_tokens) / (decode_s + prefill_s)
-        bound_note = (f"\n\nBound (benchmarks/throughput_bound.py): {bound:,.0f} tok/s = every decode step "
-                      f"reads the weights and each running sequence's K/V once at the measured copy "
-                      f"bandwidth {copy_gbs:.0f} GB/s, all requests running from the first step "
-                      f"({decode_s:.2f} s), plus the prompts' FLOPs at {tflops:.0f} TFLOP/s ({prefill_s:.2f} s)")
+        bounds, bound_note = kv_bounds(model, prompts, max_tokens, copy_gbs, tflops, kv_size)
     rows = []
-    for name, (seconds, tokens) in results.items():
+    for name, (seconds, tokens, cache, size) in results.items():
         rate = tokens / seconds
-        rows.append([name, tokens, round(seconds, 2), round(rate, 1),
+        rows.append([name, cache, tokens, round(seconds, 2), round(rate, 1),
                      f"{rate / (hf[1] / hf[0]):.2f}x" if hf else "-",
-                     f"{100 * rate / bound:.0f}%" if bound else "-"])
+                     f"{100 * rate / bounds[size]:.0f}%" if bounds else "-"])
     shape = "small (2 layers, CPU)" if args.small else "Qwen3-0.6B shape, bf16"
     title = (f"W2: {args.num_requests} requests, prompt/output lengths uniform in [{lo}, {hi}], "
-             f"{shape}, {device}, torch {torch.__version__}" + (f"\n\n{hf_note}" if hf_note else "")
-             + bound_note)
-    table = markdown_table(["system", "output tokens", "seconds", "tok/s", "vs HF", "of the bound"], rows)
+             f"{shape}, {device}, torch {torch.__version__}; pagedkv's KV cache: {results['pagedkv.LLM'][2]}"
+             + ("; torch.float8_e4m3fn, pagedkv.LLM's default scales (none passed, none in the random-weight model)"
+                if args.kv_cache_dtype == "fp8" else "")
+             + (f"\n\n{hf_note}" if hf_note else "") + bound_note)
+    table = markdown_table(["system", "KV cache", "output tokens", "seconds", "tok/s", "vs HF", "of the bound"], rows)
     save_table(args.out, "bench_throughput", title, table)
-    print("plot:", save_rate_plot(args.out, curves, bound))
+    print("plot:", save_rate_plot(args.out, curves, bounds.get(kv_size), f"bound{tag}"))
 
 
 if __name__ == "__main__":

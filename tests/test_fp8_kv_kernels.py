@@ -223,3 +223,28 @@ def test_long_context_retrieval_like_bf16(device):
     # the planted value's weight moves with K's rounding (a score near the crowd's), by little
     share = {name: (out @ answers[11]) / D for name, out in outs.items()}
     assert (share["fp8"] - share["bf16"]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_key_reads_every_e4m3_value_exactly(device, dtype, head_dim):
+    """A sequence of one key attends to it with weight 1, so the output is V as read: each of the
+    254 finite e4m3 values (subnormals, +-0 and +-448 among them) must come out exactly, in q's
+    dtype (all of them are exact there). The 16-bit CUDA path converts them with integer ops and a
+    multiply by a power of two (kernels/fp8_convert.cuh); K goes through the same conversion."""
+    torch.manual_seed(3)
+    finite = [b for b in range(256) if b not in (0x7F, 0xFF)] + [0, 0x80]  # 256 bytes, no NaN
+    values = torch.tensor(finite, dtype=torch.uint8).view(FP8).view(256 // head_dim, head_dim)
+    num_kv_heads = values.shape[0]
+    v8 = torch.zeros(2, 16, num_kv_heads, head_dim, dtype=FP8)
+    v8[1, 0] = values
+    k8 = (torch.randn(2, 16, num_kv_heads, head_dim) * 100).clamp(-448, 448).to(FP8)
+    v8, k8 = v8.to(device), k8.to(device)
+    table = torch.tensor([[1, 0]], dtype=torch.int32, device=device)
+    lens = torch.tensor([1], dtype=torch.int32, device=device)
+    q = torch.randn(1, 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+    ks, vs = scales(0.02, 1.0, device)
+    out = ops.paged_decode_attention(q, k8, v8, table, lens, head_dim ** -0.5, k_scale=ks, v_scale=vs)
+    expected = values.float().repeat_interleave(2, dim=0).to(device=device, dtype=dtype)
+    torch.testing.assert_close(out[0], expected, rtol=0, atol=0)

@@ -23,9 +23,11 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
                   (out.stride(0) * elem) % 16 == 0 && (out.stride(1) * elem) % 16 == 0,
               "pagedkv: q and out rows must start at 16-byte boundaries (strides ", q.strides(),
               " and ", out.strides(), "); call .contiguous() first");
+  const int64_t cache_elem = k_cache.element_size();  // 1 for an fp8 cache
   TORCH_CHECK(aligned16(k_cache.const_data_ptr()) && aligned16(v_cache.const_data_ptr()) &&
-                  (k_cache.stride(0) * elem) % 16 == 0 && (k_cache.stride(1) * elem) % 16 == 0 &&
-                  (k_cache.stride(2) * elem) % 16 == 0,
+                  (k_cache.stride(0) * cache_elem) % 16 == 0 &&
+                  (k_cache.stride(1) * cache_elem) % 16 == 0 &&
+                  (k_cache.stride(2) * cache_elem) % 16 == 0,
               "pagedkv: k_cache and v_cache rows must start at 16-byte boundaries (strides ",
               k_cache.strides(), ")");
   args.out = out.data_ptr();
@@ -53,8 +55,9 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
   args.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;  // check_sinks has run
 }
 
-// An fp8 (e4m3) cache: the simple kernel of kernels/paged_decode_attention_fp8.h, for both ops
-// (query_start_loc undefined: decode). The op's checks (check_kv_scales) have run.
+// An fp8 (e4m3) cache: the simple kernel of kernels/paged_decode_attention_fp8.h, for prefill and
+// for the decode shapes the tensor-core loop does not take (query_start_loc null: decode). The
+// op's checks (check_kv_scales) have run.
 inline void launch_paged_attention_fp8(at::Tensor& out, const at::Tensor& q,
                                        const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_tables,
