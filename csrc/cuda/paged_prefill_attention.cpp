@@ -29,7 +29,10 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
   check_cuda_head_dim(q.size(2));
   check_cuda(q, "q");
   if (q.size(0) == 0) return;
-  if (is_fp8_cache(k_cache)) {  // no key splits: a workspace is not needed
+  const bool fp8 = is_fp8_cache(k_cache);
+  // An fp8 cache with 16-bit q takes the tensor-core kernel (converting each K/V tile as it
+  // lands); with fp32 q the simple fp8 kernel (no key splits, no workspace).
+  if (fp8 && q.element_size() == 4) {
     launch_paged_attention_fp8(out, q, k_cache, v_cache, block_tables, context_lens,
                                &query_start_loc, scale, sliding_window, logit_softcap, *k_scale,
                                *v_scale, sinks);
@@ -56,6 +59,8 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
               "; allocate it with pagedkv.ops.paged_prefill_workspace(q, k_cache, block_tables, "
               "max_query_len)");
   args.num_splits = static_cast<int>(splits);
+  args.k_scale = fp8 ? k_scale->const_data_ptr<float>() : nullptr;
+  args.v_scale = fp8 ? v_scale->const_data_ptr<float>() : nullptr;
   args.workspace = needed > 0 ? workspace_data(*workspace, needed) : nullptr;
   C10_CUDA_CHECK(kernels::paged_prefill_attention(args, kernel_dtype(q),
                                                   c10::cuda::getCurrentCUDAStream()));

@@ -63,23 +63,24 @@ __device__ __forceinline__ void store4(T* dst, const float (&o)[4]) {
 // Dynamic shared memory of paged_decode_kernel with W warps: the merge's [W][G][D] partial
 // outputs; with kMma, at least the main loop's rings (the same bytes). Dynamic, since the wide
 // CTA's 64 KB of rings pass the 48 KB static limit.
-template <typename T, int D, int G, bool kMma, int W, bool kFp8>
+template <typename T, int D, int G, bool kMma, int W, int kFp8Stages>
 constexpr int smem_bytes() {
   constexpr int merge = W * G * D * static_cast<int>(sizeof(float));
-  return kMma ? std::max(merge, ring_bytes<T, D, W, kFp8>()) : merge;
+  return kMma ? std::max(merge, ring_bytes<T, D, W, kFp8Stages>()) : merge;
 }
 
 // kMma: the tensor-core main loop (paged_decode_attention_mma.cuh) instead of the CUDA-core one
 // above.
 // W: warps per CTA, kWarps or (tensor cores only) 8 (paged_decode_warps); the launch bounds keep
 // the registers of kWarps-warp CTAs at the same warps per SM.
-// kFp8: an e4m3 cache with a.k_scale / a.v_scale (tensor cores only).
-template <typename T, int D, int G, bool kMma, int W, bool kFp8>
+// kFp8Stages > 0: an e4m3 cache with a.k_scale / a.v_scale (tensor cores only), staged in that
+// many stages a warp.
+template <typename T, int D, int G, bool kMma, int W, int kFp8Stages>
 __global__ void __launch_bounds__(W * 32, paged_ctas_per_sm(G, kMma, D) * kWarps / W)
 paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   begin_dependent_kernel();
   static_assert(W == kWarps || kMma, "the CUDA-core loop runs kWarps warps");
-  static_assert(!kFp8 || kMma, "the fp8 cache runs the tensor-core loop");
+  static_assert(kFp8Stages == 0 || kMma, "the fp8 cache runs the tensor-core loop");
   constexpr int kThreads = W * 32;
   // blockIdx.x = ((b * num_kv_heads + kv_head) * num_splits + split) * head_chunks + chunk:
   // the CTAs that read the same K/V rows are neighbours (L2 serves the other head chunks).
@@ -129,7 +130,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
 
   // The warps' partial outputs, maxima and sums, merged below. With kMma the partial outputs
   // take the bytes of the main loop's rings (written after it).
-  // smem_bytes<T, D, G, kMma, W, kFp8>(). 128-byte aligned: placed after the static arrays at a 16-byte
+  // smem_bytes<T, D, G, kMma, W, kFp8Stages>(). 128-byte aligned: placed after the static arrays at a 16-byte
   // boundary, the rings' swizzled tiles straddle 128-byte lines, and the tensor-core loop ran
   // 7-12% slower on an H100 (sessions 9-10; as fast as static memory when aligned).
   extern __shared__ __align__(128) unsigned char smem[];
@@ -143,7 +144,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
                                         (first >> plan.block_shift))
                                 : 0;
     }
-    mma_warp_loop<T, D, G, W, kFp8>(a, plan.block_shift, b, kv_head, head0, heads, start, lo, end,
+    mma_warp_loop<T, D, G, W, kFp8Stages>(a, plan.block_shift, b, kv_head, head0, heads, start, lo, end,
                               first_block, smem, s_acc, s_max, s_sum);
   } else {
     simt_warp_loop<T, D, G>(a, plan.block_shift, b, kv_head, head0, heads, start, end, s_acc,
@@ -250,12 +251,12 @@ int log2_exact(int x) {
   return shift;
 }
 
-template <typename T, int D, int G, int W, bool kFp8>
+template <typename T, int D, int G, int W, int kFp8Stages>
 cudaError_t launch_warps(const PagedDecodeArgs& a, const Plan& plan, int64_t ctas,
                          cudaStream_t stream) {
   constexpr bool kMma = paged_decode_tensor_cores(D, sizeof(T));
-  constexpr int smem = smem_bytes<T, D, G, kMma, W, kFp8>();
-  const auto kernel = paged_decode_kernel<T, D, G, kMma, W, kFp8>;
+  constexpr int smem = smem_bytes<T, D, G, kMma, W, kFp8Stages>();
+  const auto kernel = paged_decode_kernel<T, D, G, kMma, W, kFp8Stages>;
   // The opt-in past 48 KB (which counts the static merge arrays too: 4 KB is more than they
   // take), per device: set at every launch.
   if constexpr (smem + 4096 > 48 * 1024) {
@@ -271,15 +272,15 @@ template <typename T, int D, int G>
 cudaError_t launch_main(const PagedDecodeArgs& a, const Plan& plan, int warps, int64_t ctas,
                         cudaStream_t stream) {
   if constexpr (paged_decode_tensor_cores(D, sizeof(T))) {
-    if (a.k_scale != nullptr) {
-      if (warps == 8) return launch_warps<T, D, G, 8, true>(a, plan, ctas, stream);
-      return launch_warps<T, D, G, kWarps, true>(a, plan, ctas, stream);
+    if (a.k_scale != nullptr) {  // fp8: 4 stages (8 measured slower: fewer CTAs fit, session 32)
+      if (warps == 8) return launch_warps<T, D, G, 8, 4>(a, plan, ctas, stream);
+      return launch_warps<T, D, G, kWarps, 4>(a, plan, ctas, stream);
     }
-    if (warps == 8) return launch_warps<T, D, G, 8, false>(a, plan, ctas, stream);
+    if (warps == 8) return launch_warps<T, D, G, 8, 0>(a, plan, ctas, stream);
   } else {
     if (a.k_scale != nullptr) return cudaErrorInvalidValue;  // the fp8 cache: tensor cores only
   }
-  return launch_warps<T, D, G, kWarps, false>(a, plan, ctas, stream);
+  return launch_warps<T, D, G, kWarps, 0>(a, plan, ctas, stream);
 }
 
 template <typename T, int D>

@@ -43,16 +43,16 @@ namespace pagedkv::kernels::decode {
 
 constexpr int kStageTokens = 8;  // N of S's tile and K of O's: one ldmatrix row per token
 
-// Stages of a warp's ring: 2 of 16-bit tiles; 4 of fp8 ones (the same bytes in flight).
-template <bool kFp8>
+// Stages of a warp's ring: 2 of 16-bit tiles; kFp8Stages (> 0: an fp8 cache) of fp8 ones.
+template <int kFp8Stages>
 constexpr int ring_stages() {
-  return kFp8 ? 4 : 2;
+  return kFp8Stages > 0 ? kFp8Stages : 2;
 }
 
 // Shared memory of the rings of a CTA of W warps: [warp][stage][K, V][token][D] cache elements.
-template <typename T, int D, int W, bool kFp8 = false>
+template <typename T, int D, int W, int kFp8Stages = 0>
 constexpr int ring_bytes() {
-  return W * ring_stages<kFp8>() * 2 * kStageTokens * D * (kFp8 ? 1 : static_cast<int>(sizeof(T)));
+  return W * ring_stages<kFp8Stages>() * 2 * kStageTokens * D * (kFp8Stages > 0 ? 1 : static_cast<int>(sizeof(T)));
 }
 
 // Element offset of 16-byte chunk `chunk` of token `token` (< 8) in a K or V tile. The chunk index
@@ -76,7 +76,7 @@ __device__ __forceinline__ int fp8_tile_offset(int token, int chunk) {
 // `ring_smem` is ring_bytes of shared memory that s_acc may alias: the CTA syncs before the first
 // write to s_acc. `first_block` is the table entry of the warp's first tile (token begin +
 // 8 * warp), read by the caller before the context length arrives.
-template <typename T, int D, int G, int W, bool kFp8 = false>
+template <typename T, int D, int G, int W, int kFp8Stages = 0>
 __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int block_shift, int b,
                                               int kv_head, int head0, int heads, int begin,
                                               int lo, int end, int first_block,
@@ -84,8 +84,9 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
                                               float (*s_acc)[G][D], float (*s_max)[G],
                                               float (*s_sum)[G]) {
   static_assert(G <= 8, "a head group is N = 8 columns of O's tile");
+  constexpr bool kFp8 = kFp8Stages > 0;
   using C = std::conditional_t<kFp8, uint8_t, T>;         // a cache element
-  constexpr int kStages = ring_stages<kFp8>();
+  constexpr int kStages = ring_stages<kFp8Stages>();
   constexpr int kCacheChunks = D * sizeof(C) / 16;        // 16-byte chunks of a cached token row
   constexpr int kSteps = D / 16;                          // k16 steps of S, m16 tiles of O
   constexpr int kPieces = kStageTokens * kCacheChunks / 32;  // a lane's copies per tile
@@ -93,7 +94,7 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
   constexpr int kWarpStride = W * kStageTokens;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
-  C* ring = reinterpret_cast<C*>(ring_smem + warp * (ring_bytes<T, D, W, kFp8>() / W));
+  C* ring = reinterpret_cast<C*>(ring_smem + warp * (ring_bytes<T, D, W, kFp8Stages>() / W));
 
   // Q's A fragments, rows g (head g of the chunk; zeros past `heads`): [k step][cols 2t.., 2t+8..].
   uint32_t qa[kSteps][2];

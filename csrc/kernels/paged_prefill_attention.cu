@@ -62,7 +62,8 @@ bool make_plan(const PagedPrefillArgs& a, int rows, Plan& plan, int64_t& ctas) {
   return true;
 }
 
-template <typename T, int D, bool kOptions>
+// kFp8: an e4m3 cache (16-bit q only).
+template <typename T, int D, bool kOptions, bool kFp8>
 cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
   if (a.num_splits > 1 && !prefill_can_split(D, sizeof(T))) return cudaErrorInvalidValue;
   Plan plan;
@@ -77,8 +78,8 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
                     prefill::mma::keys<D>() % kPrefillSplitKeyTile == 0,
                     "paged_prefill_attention_plan.h's split shapes");
       if (!make_plan(a, prefill::mma::rows<2>(), plan, ctas)) return cudaErrorInvalidConfiguration;
-      const auto kernel = prefill::paged_prefill_mma_kernel<T, D, 2, kOptions>;
-      constexpr int smem = prefill::mma::smem_bytes<T, D, 2>();
+      const auto kernel = prefill::paged_prefill_mma_kernel<T, D, 2, kOptions, kFp8>;
+      constexpr int smem = prefill::mma::smem_bytes<T, D, 2, kFp8>();
       if (a.num_splits > 1) {
         if (a.workspace == nullptr) return cudaErrorInvalidValue;
         if (ctas * a.num_splits > 0x7fffffff) return cudaErrorInvalidConfiguration;
@@ -96,8 +97,10 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
       }
     }
     if (!make_plan(a, prefill::mma::rows<1>(), plan, ctas)) return cudaErrorInvalidConfiguration;
-    return launch_kernel(prefill::paged_prefill_mma_kernel<T, D, 1, kOptions>, prefill::mma::kThreads,
-                         prefill::mma::smem_bytes<T, D, 1>(), a, plan, ctas, stream);
+    return launch_kernel(prefill::paged_prefill_mma_kernel<T, D, 1, kOptions, kFp8>, prefill::mma::kThreads,
+                         prefill::mma::smem_bytes<T, D, 1, kFp8>(), a, plan, ctas, stream);
+  } else if constexpr (kFp8) {
+    return cudaErrorInvalidValue;  // an fp8 cache with fp32 q takes the simple fp8 kernel
   } else {
     if (!make_plan(a, prefill::simt::kRows, plan, ctas)) return cudaErrorInvalidConfiguration;
     return launch_kernel(prefill::paged_prefill_simt_kernel<T, D>, prefill::simt::kThreads,
@@ -118,18 +121,21 @@ cudaError_t paged_prefill_attention(const PagedPrefillArgs& a, DType dtype, cuda
   const bool options = a.sliding_window > 0 || a.logit_softcap > 0.f;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    auto run = [&](auto with_options) -> cudaError_t {
-      constexpr bool kOptions = decltype(with_options)::value;
+    auto run = [&](auto with_options, auto fp8) -> cudaError_t {
+      constexpr bool kOptions = decltype(with_options)::value, kFp8 = decltype(fp8)::value;
       switch (a.head_dim) {
-        case 64: return launch<T, 64, kOptions>(a, stream);
-        case 80: return launch<T, 80, kOptions>(a, stream);
-        case 96: return launch<T, 96, kOptions>(a, stream);
-        case 128: return launch<T, 128, kOptions>(a, stream);
-        case 256: return launch<T, 256, kOptions>(a, stream);
+        case 64: return launch<T, 64, kOptions, kFp8>(a, stream);
+        case 80: return launch<T, 80, kOptions, kFp8>(a, stream);
+        case 96: return launch<T, 96, kOptions, kFp8>(a, stream);
+        case 128: return launch<T, 128, kOptions, kFp8>(a, stream);
+        case 256: return launch<T, 256, kOptions, kFp8>(a, stream);
         default: return cudaErrorInvalidValue;
       }
     };
-    return options ? run(std::true_type{}) : run(std::false_type{});
+    if (a.k_scale != nullptr) {
+      return options ? run(std::true_type{}, std::true_type{}) : run(std::false_type{}, std::true_type{});
+    }
+    return options ? run(std::true_type{}, std::false_type{}) : run(std::false_type{}, std::false_type{});
   });
 }
 

@@ -10,8 +10,13 @@
 // K's and V's together from one table read and address per 16-byte piece (load_kv_tiles).
 // With plan.splits > 1 a CTA walks one split of its tile's keys and leaves each row's
 // unnormalized output and (max, sum) in the workspace for paged_prefill_merge_kernel.
+// kFp8 (an e4m3 cache, one fp32 scale for K and one for V): the double-buffered stages hold the
+// cache's bytes, and after each tile lands the CTA converts it, exactly (fp8_convert.cuh), into
+// one 16-bit K/V tile that the loop above reads as it is (one more barrier a tile; prefill is
+// bound by its mma, not by these copies). K's scale goes into the score scale, V's into O.
 // (Fragment layouts: kernels/mma.cuh.)
 #pragma once
+#include "kernels/fp8_convert.cuh"
 #include "kernels/paged_prefill_attention_common.cuh"
 
 namespace pagedkv::kernels::prefill {
@@ -29,9 +34,13 @@ constexpr int rows() { return kWarps * 16 * kM; }
 template <int D>
 constexpr int keys() { return D == 256 ? 32 : 64; }
 
-template <typename T, int D, int kM>
+// Q, the 16-bit K/V tiles (kStages of them, or one converted tile with kFp8), then with kFp8 the
+// kStages stages of fp8 K/V bytes ([stage][K, V][key][row_stride<uint8_t, D>]).
+template <typename T, int D, int kM, bool kFp8 = false>
 constexpr int smem_bytes() {
-  return (rows<kM>() + 2 * kStages * keys<D>()) * row_stride<T, D>() * static_cast<int>(sizeof(T));
+  constexpr int kv_tiles = kFp8 ? 1 : kStages;
+  return (rows<kM>() + 2 * kv_tiles * keys<D>()) * row_stride<T, D>() * static_cast<int>(sizeof(T)) +
+         (kFp8 ? kStages * 2 * keys<D>() * row_stride<uint8_t, D>() : 0);
 }
 
 // Two CTAs an SM: <= 255 registers a thread (kM = 2 at D = 128: 128 O and 64 S accumulators a
@@ -42,7 +51,7 @@ constexpr int kCtasPerSm = 2;
 // kOptions: the kernel computes a.sliding_window and a.logit_softcap; without, both are taken as
 // off and their code is compiled out (the D = 128 kernel is at its 255 registers: the options'
 // code, even unused, cost the plain kernel ~10% in the H100 A/B of its first version).
-template <typename T, int D, int kM, bool kOptions>
+template <typename T, int D, int kM, bool kOptions, bool kFp8 = false>
 __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_mma_kernel(const PagedPrefillArgs a,
                                                                          const Plan plan) {
   using namespace mma;
@@ -52,23 +61,35 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
   constexpr int kKeys = keys<D>();
   constexpr int kKeyTiles = kKeys / 8;  // n-tiles of S
   constexpr int kDimTiles = D / 8;      // n-tiles of O
+  constexpr int kKvTiles = kFp8 ? 1 : kStages;  // 16-bit K/V tiles
+  constexpr int kLd8 = row_stride<uint8_t, D>();  // a staged fp8 row
   extern __shared__ __align__(16) unsigned char smem[];
-  T* s_q = reinterpret_cast<T*>(smem);  // [kRows][kLd]
-  T* s_k = s_q + kRows * kLd;           // [kStages][kKeys][kLd]
-  T* s_v = s_k + kStages * kKeys * kLd; // [kStages][kKeys][kLd]
+  T* s_q = reinterpret_cast<T*>(smem);   // [kRows][kLd]
+  T* s_k = s_q + kRows * kLd;            // [kKvTiles][kKeys][kLd]
+  T* s_v = s_k + kKvTiles * kKeys * kLd; // [kKvTiles][kKeys][kLd]
+  uint8_t* s_fp8 = reinterpret_cast<uint8_t*>(s_v + kKvTiles * kKeys * kLd);  // kFp8: [kStages][2][kKeys][kLd8]
 
   Work w;
   if (!cta_work(a, plan, w)) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
 
-  const T* k_cache = static_cast<const T*>(a.k_cache);
-  const T* v_cache = static_cast<const T*>(a.v_cache);
+  // Where tile j's K/V land: the 16-bit stage j % kStages, or (kFp8) fp8 stage j % kStages.
+  const auto load_tile = [&](int j, int key0) {
+    if constexpr (kFp8) {
+      uint8_t* dst = s_fp8 + (j % kStages) * 2 * kKeys * kLd8;
+      load_kv_tiles<uint8_t, D, kKeys, kThreads>(dst, dst + kKeys * kLd8, static_cast<const uint8_t*>(a.k_cache),
+                                                 static_cast<const uint8_t*>(a.v_cache), key0, a, plan, w);
+    } else {
+      load_kv_tiles<T, D, kKeys, kThreads>(s_k + (j % kStages) * kKeys * kLd, s_v + (j % kStages) * kKeys * kLd,
+                                           static_cast<const T*>(a.k_cache), static_cast<const T*>(a.v_cache),
+                                           key0, a, plan, w);
+    }
+  };
+
   const int num_tiles = (w.kv_end - w.key_begin + kKeys - 1) / kKeys;
   load_q_tile<T, D, kRows, kThreads>(s_q, a, w);
-  if (num_tiles > 0) {
-    load_kv_tiles<T, D, kKeys, kThreads>(s_k, s_v, k_cache, v_cache, w.key_begin, a, plan, w);
-  }
+  if (num_tiles > 0) load_tile(0, w.key_begin);
   cp_async_commit();  // group: Q and K/V tile 0
 
   // This lane's rows: warp * 16 kM + 16 mt + g + 8i. Their last visible key (position); -1 past
@@ -89,7 +110,7 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
   const int k_frag = (lane % 8 + 8 * (lane / 16)) * kLd + 8 * ((lane / 8) % 2);  // offsets in a stage
   const int v_frag = (lane % 8 + 8 * ((lane / 8) % 2)) * kLd + 8 * (lane / 16);
 
-  const float qk_scale = a.scale * kLog2e;
+  const float qk_scale = a.scale * kLog2e * (kFp8 ? *a.k_scale : 1.f);  // kFp8: S is Q K's bytes
   float m[kM][2], l[kM][2];  // l: this lane's share of the row sum
   float o[kM][kDimTiles][4];
 #pragma unroll
@@ -107,16 +128,29 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
     const int key0 = w.key_begin + kt * kKeys;
     const int stage = kt % kStages;
     // Tile kt + 1 into the other stage, which the previous iteration's last barrier freed.
-    if (kt + 1 < num_tiles) {
-      const int next = (kt + 1) % kStages;
-      load_kv_tiles<T, D, kKeys, kThreads>(s_k + next * kKeys * kLd, s_v + next * kKeys * kLd, k_cache,
-                                           v_cache, key0 + kKeys, a, plan, w);
-    }
+    if (kt + 1 < num_tiles) load_tile(kt + 1, key0 + kKeys);
     cp_async_commit();   // possibly empty: keeps the group count uniform
     cp_async_wait<1>();  // tile kt (and Q) are in
     __syncthreads();
-    const T* k_tile = s_k + stage * kKeys * kLd + k_frag;
-    const T* v_tile = s_v + stage * kKeys * kLd + v_frag;
+    if constexpr (kFp8) {
+      // Each thread converts 16-byte pieces (16 values of one key) of the staged K and V into
+      // the 16-bit tile; the last iteration's closing barrier freed it.
+      const uint8_t* staged = s_fp8 + stage * 2 * kKeys * kLd8;
+      constexpr int kRowPieces = D / 16, kPieces = kKeys * kRowPieces;
+      for (int c = threadIdx.x; c < 2 * kPieces; c += kThreads) {
+        const int kv = c / kPieces, n = (c % kPieces) / kRowPieces, col = (c % kRowPieces) * 16;
+        const uint4 bytes = *reinterpret_cast<const uint4*>(staged + (kv * kKeys + n) * kLd8 + col);
+        const uint2 p0 = e4m3x4_to<T>(bytes.x), p1 = e4m3x4_to<T>(bytes.y);
+        const uint2 p2 = e4m3x4_to<T>(bytes.z), p3 = e4m3x4_to<T>(bytes.w);
+        T* dst = (kv == 0 ? s_k : s_v) + n * kLd + col;
+        *reinterpret_cast<uint4*>(dst) = make_uint4(p0.x, p0.y, p1.x, p1.y);
+        *reinterpret_cast<uint4*>(dst + 8) = make_uint4(p2.x, p2.y, p3.x, p3.y);
+      }
+      __syncthreads();
+    }
+    const int tile = kFp8 ? 0 : stage;
+    const T* k_tile = s_k + tile * kKeys * kLd + k_frag;
+    const T* v_tile = s_v + tile * kKeys * kLd + v_frag;
 
     float s[kM][kKeyTiles][4];
 #pragma unroll
@@ -233,6 +267,17 @@ __global__ void __launch_bounds__(mma::kThreads, mma::kCtasPerSm) paged_prefill_
     __syncthreads();  // this stage read by all before iteration kt + 1 loads tile kt + 2 into it
   }
   cp_async_wait<0>();
+  if constexpr (kFp8) {  // O was summed over V's bytes
+    const float v_scale = *a.v_scale;
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt) {
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][n][e] *= v_scale;
+      }
+    }
+  }
 
 #pragma unroll
   for (int mt = 0; mt < kM; ++mt) {

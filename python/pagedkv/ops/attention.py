@@ -158,7 +158,7 @@ def paged_prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
-    if workspace is None and q.device.type == "cuda" and k_scale is None:  # fp8, CPU: no splits
+    if workspace is None and q.device.type == "cuda":  # the CPU never splits
         workspace = paged_prefill_workspace(q, k_cache, block_tables, max_query_len)
     _ops.paged_prefill_attention(
         out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len,
