@@ -7,6 +7,7 @@
 
 #include "cuda/paged_attention_args.h"
 #include "cuda/torch_utils.h"
+#include "kernels/paged_decode_attention_plan.h"
 #include "kernels/paged_prefill_attention.h"
 #include "paged_prefill_attention_checks.h"
 
@@ -30,9 +31,11 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
   check_cuda(q, "q");
   if (q.size(0) == 0) return;
   const bool fp8 = is_fp8_cache(k_cache);
-  // An fp8 cache with 16-bit q takes the tensor-core kernel (converting each K/V tile as it
-  // lands); with fp32 q the simple fp8 kernel (no key splits, no workspace).
-  if (fp8 && q.element_size() == 4) {
+  // An fp8 cache takes the tensor-core kernel (converting each K/V tile as it lands) where the
+  // decode kernel does too: 16-bit q at head_dim 64, 128 or 256 (the shapes its CUDA tests
+  // cover); elsewhere the simple fp8 kernel (no key splits, no workspace).
+  if (fp8 && !kernels::paged_decode_tensor_cores(static_cast<int>(q.size(2)),
+                                                 static_cast<int>(q.element_size()))) {
     launch_paged_attention_fp8(out, q, k_cache, v_cache, block_tables, context_lens,
                                &query_start_loc, scale, sliding_window, logit_softcap, *k_scale,
                                *v_scale, sinks);

@@ -62,7 +62,7 @@ bool make_plan(const PagedPrefillArgs& a, int rows, Plan& plan, int64_t& ctas) {
   return true;
 }
 
-// kFp8: an e4m3 cache (16-bit q only).
+// kFp8: an e4m3 cache (16-bit q at head_dim 64, 128 or 256 only: paged_prefill_attention.cpp).
 template <typename T, int D, bool kOptions, bool kFp8>
 cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
   if (a.num_splits > 1 && !prefill_can_split(D, sizeof(T))) return cudaErrorInvalidValue;
@@ -99,8 +99,6 @@ cudaError_t launch(const PagedPrefillArgs& a, cudaStream_t stream) {
     if (!make_plan(a, prefill::mma::rows<1>(), plan, ctas)) return cudaErrorInvalidConfiguration;
     return launch_kernel(prefill::paged_prefill_mma_kernel<T, D, 1, kOptions, kFp8>, prefill::mma::kThreads,
                          prefill::mma::smem_bytes<T, D, 1, kFp8>(), a, plan, ctas, stream);
-  } else if constexpr (kFp8) {
-    return cudaErrorInvalidValue;  // an fp8 cache with fp32 q takes the simple fp8 kernel
   } else {
     if (!make_plan(a, prefill::simt::kRows, plan, ctas)) return cudaErrorInvalidConfiguration;
     return launch_kernel(prefill::paged_prefill_simt_kernel<T, D>, prefill::simt::kThreads,
@@ -123,13 +121,26 @@ cudaError_t paged_prefill_attention(const PagedPrefillArgs& a, DType dtype, cuda
     using T = decltype(tag);
     auto run = [&](auto with_options, auto fp8) -> cudaError_t {
       constexpr bool kOptions = decltype(with_options)::value, kFp8 = decltype(fp8)::value;
-      switch (a.head_dim) {
-        case 64: return launch<T, 64, kOptions, kFp8>(a, stream);
-        case 80: return launch<T, 80, kOptions, kFp8>(a, stream);
-        case 96: return launch<T, 96, kOptions, kFp8>(a, stream);
-        case 128: return launch<T, 128, kOptions, kFp8>(a, stream);
-        case 256: return launch<T, 256, kOptions, kFp8>(a, stream);
-        default: return cudaErrorInvalidValue;
+      if constexpr (kFp8) {  // 16-bit q at head_dim 64, 128, 256 (paged_prefill_attention.cpp)
+        if constexpr (sizeof(T) != 2) {
+          return cudaErrorInvalidValue;
+        } else {
+          switch (a.head_dim) {
+            case 64: return launch<T, 64, kOptions, true>(a, stream);
+            case 128: return launch<T, 128, kOptions, true>(a, stream);
+            case 256: return launch<T, 256, kOptions, true>(a, stream);
+            default: return cudaErrorInvalidValue;
+          }
+        }
+      } else {
+        switch (a.head_dim) {
+          case 64: return launch<T, 64, kOptions, false>(a, stream);
+          case 80: return launch<T, 80, kOptions, false>(a, stream);
+          case 96: return launch<T, 96, kOptions, false>(a, stream);
+          case 128: return launch<T, 128, kOptions, false>(a, stream);
+          case 256: return launch<T, 256, kOptions, false>(a, stream);
+          default: return cudaErrorInvalidValue;
+        }
       }
     };
     if (a.k_scale != nullptr) {
