@@ -101,9 +101,9 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
   const T* q = static_cast<const T*>(a.q) + b * a.q_stride_row + (head0 + g) * a.q_stride_h;
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {  // kFp8: dims 4t, 4t + 1 and 4t + 2, 4t + 3 (see above)
-    const int lo = kFp8 ? 4 * t : 2 * t, hi = kFp8 ? 4 * t + 2 : 2 * t + 8;
-    qa[s][0] = g < heads ? *reinterpret_cast<const uint32_t*>(q + 16 * s + lo) : 0u;
-    qa[s][1] = g < heads ? *reinterpret_cast<const uint32_t*>(q + 16 * s + hi) : 0u;
+    const int first = kFp8 ? 4 * t : 2 * t, second = kFp8 ? 4 * t + 2 : 2 * t + 8;
+    qa[s][0] = g < heads ? *reinterpret_cast<const uint32_t*>(q + 16 * s + first) : 0u;
+    qa[s][1] = g < heads ? *reinterpret_cast<const uint32_t*>(q + 16 * s + second) : 0u;
   }
 
   // O^T's accumulators: [m tile s][c0..c3] = O[heads 2t, 2t + 1][dims 16s + g, 16s + 8 + g]
