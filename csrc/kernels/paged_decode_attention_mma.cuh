@@ -55,19 +55,16 @@ constexpr int ring_bytes() {
   return W * ring_stages<kFp8Stages>() * 2 * kStageTokens * D * (kFp8Stages > 0 ? 1 : static_cast<int>(sizeof(T)));
 }
 
-// Element offset of 16-byte chunk `chunk` of token `token` (< 8) in a K or V tile. The chunk index
-// is XOR-ed with the token, so an ldmatrix's 8 rows (8 tokens, one chunk) fall in 8 different
-// 16-byte bank groups, and so do a copy's 8 consecutive lanes (one token, 8 chunks).
-template <int D>
+// Element offset of 16-byte chunk `chunk` of token `token` (< 8) in a K or V tile of cache
+// elements C. The chunk index is XOR-ed with the token, so an ldmatrix's 8 rows (8 tokens, one
+// chunk) fall in 8 different 16-byte bank groups, and so do a copy's 8 consecutive lanes (one
+// token, 8 chunks). A row of fewer than 8 chunks (fp8 at D = 64: 4) shares a 128-byte line with
+// the next token's, so the XOR takes token / 2 there.
+template <int D, typename C>
 __device__ __forceinline__ int tile_offset(int token, int chunk) {
-  return token * D + (chunk ^ token) * 8;
-}
-
-// The same for a tile of fp8 bytes: rows of D bytes, so at D = 64 two tokens share a 128-byte
-// line and the XOR takes token / 2 (4 chunks a row).
-template <int D>
-__device__ __forceinline__ int fp8_tile_offset(int token, int chunk) {
-  return token * D + (chunk ^ (D >= 128 ? token : token / 2)) * 16;
+  constexpr int kRowChunks = D * static_cast<int>(sizeof(C)) / 16;
+  constexpr int kTokensALine = kRowChunks >= 8 ? 1 : 8 / kRowChunks;
+  return token * D + (chunk ^ (token / kTokensALine)) * (16 / static_cast<int>(sizeof(C)));
 }
 
 // One warp's share of the split [begin, end) in a CTA of W warps: its tokens begin + 8 * warp +
@@ -139,9 +136,8 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
         // Past the end: the last token again (same block), its weight is 0 below.
         const int slot = (min(next + token, end - 1)) & slot_mask;
         const int64_t src = block + slot * a.cache_stride_token + chunk * (16 / sizeof(C));
-        const int dst = kFp8 ? fp8_tile_offset<D>(token, chunk) : tile_offset<D>(token, chunk);
-        cp_async16_stream(k_dst + dst, k_cache + src);
-        cp_async16_stream(v_dst + dst, v_cache + src);
+        cp_async16_stream(k_dst + tile_offset<D, C>(token, chunk), k_cache + src);
+        cp_async16_stream(v_dst + tile_offset<D, C>(token, chunk), v_cache + src);
       }
     }
     cp_async_commit();  // possibly empty: the group count stays uniform
@@ -169,7 +165,7 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
 #pragma unroll
       for (int j = 0; j < kSteps / 4; ++j) {
         uint32_t kb[4];
-        ldmatrix_x4(kb, k_tile + fp8_tile_offset<D>(frag_token, 4 * j + frag_chunk));
+        ldmatrix_x4(kb, k_tile + tile_offset<D, C>(frag_token, 4 * j + frag_chunk));
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const uint2 b = e4m3x4_to<T>(kb[i]);
@@ -181,7 +177,7 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
 #pragma unroll
       for (int j = 0; j < kSteps / 2; ++j) {
         uint32_t kb[4];
-        ldmatrix_x4(kb, k_tile + tile_offset<D>(frag_token, 4 * j + frag_chunk));
+        ldmatrix_x4(kb, k_tile + tile_offset<D, C>(frag_token, 4 * j + frag_chunk));
         const uint32_t a0[4] = {qa[2 * j][0], 0u, qa[2 * j][1], 0u};
         const uint32_t a1[4] = {qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u};
         mma16816(c, a0, kb[0], kb[1], T{});
@@ -228,7 +224,7 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
 #pragma unroll
       for (int j = 0; j < kSteps / 4; ++j) {
         uint32_t va[4];
-        ldmatrix_x4_trans(va, v_tile + fp8_tile_offset<D>(frag_token, 4 * j + frag_chunk));
+        ldmatrix_x4_trans(va, v_tile + tile_offset<D, C>(frag_token, 4 * j + frag_chunk));
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const uint2 rows = e4m3x4_to<T, true>(va[i]);  // dims 2g, 2g + 1 of tokens 2t, 2t + 1
@@ -239,7 +235,7 @@ __device__ __forceinline__ void mma_warp_loop(const PagedDecodeArgs& a, int bloc
 #pragma unroll
       for (int j = 0; j < kSteps / 2; ++j) {
         uint32_t va[4];
-        ldmatrix_x4_trans(va, v_tile + tile_offset<D>(frag_token, 4 * j + frag_chunk));
+        ldmatrix_x4_trans(va, v_tile + tile_offset<D, C>(frag_token, 4 * j + frag_chunk));
         mma1688(acc[2 * j], va[0], va[1], p, T{});
         mma1688(acc[2 * j + 1], va[2], va[3], p, T{});
       }
