@@ -2,9 +2,11 @@
 #pragma once
 #include <torch/types.h>
 
+#include "attention_checks.h"
 #include "cuda/torch_utils.h"
 #include "kernels/paged_attention_args.h"
 #include "kernels/paged_decode_attention_fp8.h"
+#include "kernels/paged_decode_attention_plan.h"
 
 namespace pagedkv {
 
@@ -16,7 +18,9 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                                       const at::Tensor& context_lens, double scale,
                                       int64_t sliding_window, double logit_softcap,
-                                      const std::optional<at::Tensor>& sinks) {
+                                      const std::optional<at::Tensor>& sinks,
+                                      const std::optional<at::Tensor>& k_scale,
+                                      const std::optional<at::Tensor>& v_scale) {
   const int64_t elem = q.element_size();
   TORCH_CHECK(aligned16(q.const_data_ptr()) && aligned16(out.const_data_ptr()) &&
                   (q.stride(0) * elem) % 16 == 0 && (q.stride(1) * elem) % 16 == 0 &&
@@ -53,11 +57,22 @@ inline void fill_paged_attention_args(kernels::PagedAttentionArgs& args, at::Ten
   args.sliding_window = static_cast<int>(sliding_window);
   args.logit_softcap = static_cast<float>(logit_softcap);
   args.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;  // check_sinks has run
+  // check_kv_scales has run: both present for an fp8 cache, absent otherwise
+  args.k_scale = k_scale.has_value() ? k_scale->const_data_ptr<float>() : nullptr;
+  args.v_scale = v_scale.has_value() ? v_scale->const_data_ptr<float>() : nullptr;
 }
 
-// An fp8 (e4m3) cache: the simple kernel of kernels/paged_decode_attention_fp8.h, for prefill and
-// for the decode shapes the tensor-core loop does not take (query_start_loc null: decode). The
-// op's checks (check_kv_scales) have run.
+// Whether an fp8 cache goes to the simple kernel below rather than the 16-bit kernels' tensor-core
+// paths, which take it (converting as they read) only at the decode kernel's tensor-core shapes:
+// 16-bit q at head_dim 64, 128 or 256 (the shapes the CUDA tests cover).
+inline bool fp8_cache_takes_simple_kernel(const at::Tensor& q, const at::Tensor& k_cache) {
+  return is_fp8_cache(k_cache) && !kernels::paged_decode_tensor_cores(static_cast<int>(q.size(2)),
+                                                                      static_cast<int>(q.element_size()));
+}
+
+// An fp8 (e4m3) cache where fp8_cache_takes_simple_kernel: the simple kernel of
+// kernels/paged_decode_attention_fp8.h, for both ops (query_start_loc null: decode). The op's
+// checks (check_kv_scales) have run.
 inline void launch_paged_attention_fp8(at::Tensor& out, const at::Tensor& q,
                                        const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_tables,
@@ -68,11 +83,9 @@ inline void launch_paged_attention_fp8(at::Tensor& out, const at::Tensor& q,
                                        const std::optional<at::Tensor>& sinks) {
   kernels::PagedFp8Args args{};
   fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                            sliding_window, logit_softcap, sinks);
+                            sliding_window, logit_softcap, sinks, k_scale, v_scale);
   args.query_start_loc = query_start_loc ? query_start_loc->const_data_ptr<int>() : nullptr;
   args.num_rows = static_cast<int>(q.size(0));
-  args.k_scale = k_scale.const_data_ptr<float>();
-  args.v_scale = v_scale.const_data_ptr<float>();
   const c10::cuda::CUDAGuard guard(q.device());
   C10_CUDA_CHECK(kernels::paged_attention_fp8(args, kernel_dtype(q), c10::cuda::getCurrentCUDAStream()));
 }

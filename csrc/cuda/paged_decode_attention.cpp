@@ -38,20 +38,14 @@ void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at:
   check_attention_options(sliding_window, logit_softcap);
   check_cuda_head_dim(q.size(2));
   check_cuda(q, "q");
-  const bool fp8 = is_fp8_cache(k_cache);
-  // An fp8 cache takes the 16-bit kernels' tensor-core loop (converting as it reads) where q's
-  // dtype and head_dim take it; elsewhere the simple fp8 kernel (no splits, no workspace).
-  if (fp8 && !kernels::paged_decode_tensor_cores(static_cast<int>(q.size(2)),
-                                                 static_cast<int>(q.element_size()))) {
+  if (fp8_cache_takes_simple_kernel(q, k_cache)) {  // no splits: the workspace is not used
     launch_paged_attention_fp8(out, q, k_cache, v_cache, block_tables, context_lens, nullptr,
                                scale, sliding_window, logit_softcap, *k_scale, *v_scale, sinks);
     return;
   }
   kernels::PagedDecodeArgs args{};
   fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                            sliding_window, logit_softcap, sinks);
-  args.k_scale = fp8 ? k_scale->const_data_ptr<float>() : nullptr;
-  args.v_scale = fp8 ? v_scale->const_data_ptr<float>() : nullptr;
+                            sliding_window, logit_softcap, sinks, k_scale, v_scale);
   const c10::cuda::CUDAGuard guard(q.device());
   const int num_sms = sm_count(q.device().index());
   if (num_splits == 0) num_splits = auto_num_splits(q, k_cache, block_tables, num_sms);

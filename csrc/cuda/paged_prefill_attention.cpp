@@ -7,7 +7,6 @@
 
 #include "cuda/paged_attention_args.h"
 #include "cuda/torch_utils.h"
-#include "kernels/paged_decode_attention_plan.h"
 #include "kernels/paged_prefill_attention.h"
 #include "paged_prefill_attention_checks.h"
 
@@ -30,12 +29,7 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
   check_cuda_head_dim(q.size(2));
   check_cuda(q, "q");
   if (q.size(0) == 0) return;
-  const bool fp8 = is_fp8_cache(k_cache);
-  // An fp8 cache takes the tensor-core kernel (converting each K/V tile as it lands) where the
-  // decode kernel does too: 16-bit q at head_dim 64, 128 or 256 (the shapes its CUDA tests
-  // cover); elsewhere the simple fp8 kernel (no key splits, no workspace).
-  if (fp8 && !kernels::paged_decode_tensor_cores(static_cast<int>(q.size(2)),
-                                                 static_cast<int>(q.element_size()))) {
+  if (fp8_cache_takes_simple_kernel(q, k_cache)) {  // no key splits: a workspace is not needed
     launch_paged_attention_fp8(out, q, k_cache, v_cache, block_tables, context_lens,
                                &query_start_loc, scale, sliding_window, logit_softcap, *k_scale,
                                *v_scale, sinks);
@@ -45,7 +39,7 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
 
   kernels::PagedPrefillArgs args{};
   fill_paged_attention_args(args, out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                            sliding_window, logit_softcap, sinks);
+                            sliding_window, logit_softcap, sinks, k_scale, v_scale);
   args.query_start_loc = query_start_loc.const_data_ptr<int>();
   args.num_tokens = static_cast<int>(q.size(0));
   args.max_query_len = static_cast<int>(max_query_len);
@@ -62,8 +56,6 @@ void paged_prefill_attention_cuda(at::Tensor& out, const at::Tensor& q, const at
               "; allocate it with pagedkv.ops.paged_prefill_workspace(q, k_cache, block_tables, "
               "max_query_len)");
   args.num_splits = static_cast<int>(splits);
-  args.k_scale = fp8 ? k_scale->const_data_ptr<float>() : nullptr;
-  args.v_scale = fp8 ? v_scale->const_data_ptr<float>() : nullptr;
   args.workspace = needed > 0 ? workspace_data(*workspace, needed) : nullptr;
   C10_CUDA_CHECK(kernels::paged_prefill_attention(args, kernel_dtype(q),
                                                   c10::cuda::getCurrentCUDAStream()));

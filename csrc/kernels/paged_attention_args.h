@@ -29,6 +29,10 @@ struct PagedAttentionArgs {
   // [num_q_heads] fp32 attention sinks (GPT-OSS), or null: head h's softmax denominator gains
   // exp(sinks[h]) and its output nothing (kernels/attention_sink.cuh folds it in at the end).
   const float* sinks;
+  // An e4m3 cache's scales (one element each: K = float(k_cache) * *k_scale, V likewise), or both
+  // null for a cache of q's dtype.
+  const float* k_scale;
+  const float* v_scale;
 };
 // Filled by the host compiler, read by nvcc's code: a POD keeps the two layouts identical (and the
 // structs deriving from it put their own fields after its tail padding, never inside it).

@@ -17,10 +17,7 @@ struct PagedDecodeArgs : PagedAttentionArgs {
   float* workspace;  // paged_decode_workspace_floats(...) floats; unused if num_splits == 1
   int num_splits;    // >= 1: thread blocks that share one (sequence, kv head)
   int num_sms;       // the device's SM count: how wide a CTA to launch (paged_decode_warps)
-  // An e4m3 cache (caches of bytes; K = float(k_cache) * *k_scale, V likewise), or both null for a
-  // cache of q's dtype. Only where paged_decode_tensor_cores(head_dim, q's bytes) holds.
-  const float* k_scale;
-  const float* v_scale;
+  // (k_scale set, an e4m3 cache: only where paged_decode_tensor_cores(head_dim, q's bytes) holds.)
 };
 
 // head_dim in {64, 80, 96, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a

@@ -16,8 +16,6 @@ namespace pagedkv::kernels {
 struct PagedFp8Args : PagedAttentionArgs {
   const int* query_start_loc;  // [batch + 1] for prefill; nullptr: decode (row b = sequence b)
   int num_rows;                // rows of q and out
-  const float* k_scale;        // one element each: K = float(k_cache) * *k_scale
-  const float* v_scale;
 };
 
 // q/out dtype `dtype`; caches e4m3 bytes. head_dim a multiple of 16 up to 256; block_size a power

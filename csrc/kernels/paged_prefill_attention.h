@@ -25,9 +25,7 @@ struct PagedPrefillArgs : PagedAttentionArgs {  // rows = new tokens; context_le
   // aligned; else it is unused (may be null).
   int num_splits;
   float* workspace;
-  // An e4m3 cache (K = float(k_cache) * *k_scale, V likewise; 16-bit q only), or both null.
-  const float* k_scale;
-  const float* v_scale;
+  // (k_scale set, an e4m3 cache: only where paged_decode_tensor_cores(head_dim, q's bytes) holds.)
 };
 
 // head_dim in {64, 80, 96, 128, 256}; block_size a power of two in [8, 128]; num_q_heads a
