@@ -1,9 +1,10 @@
-"""Where a decode step of issue 32's shapes goes (the Qwen3-30B-A3B MoE row, the Gemma-2-9B row):
+"""Where a decode step goes, for issue 32's shapes (the Qwen3-30B-A3B MoE row, the Gemma-2-9B row)
+and W1's (the Qwen2.5-7B shape: where a batch of 5 or 8 rows loses to batch 1, issues 33 and 34):
 kernel time per decode step by kernel name (each kernel's time alone on the device), pagedkv.generate
 at batch B after a prompt of P tokens, from torch.profiler over (1 + N) - 1 new tokens. Layers can be
 fewer than the real count (the per-layer cost is what matters; the LM head's share grows).
 
-    python lab/step_profile.py [--model moe|gemma2] [--layers 8] [--batch 1] [--prompt 128] [--new 32]
+    python lab/step_profile.py [--model moe|gemma2|w1] [--layers 8] [--batch 1] [--prompt 128] [--new 32]
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_architectures import GEMMA2_9B, QWEN3_30B_A3B, build  # noqa: E402
-from transformers import Gemma2Config, Qwen3MoeConfig  # noqa: E402
+from bench_generate import W1  # noqa: E402
+from transformers import Gemma2Config, Qwen2Config, Qwen3MoeConfig  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv.tools.profiling import _busy_per_kernel  # noqa: E402
@@ -37,13 +39,14 @@ def kernel_us(fn) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", choices=("moe", "gemma2"), default="moe")
+    parser.add_argument("--model", choices=("moe", "gemma2", "w1"), default="moe")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new", type=int, default=32)
     args = parser.parse_args()
-    config_cls, shape = {"moe": (Qwen3MoeConfig, QWEN3_30B_A3B), "gemma2": (Gemma2Config, GEMMA2_9B)}[args.model]
+    config_cls, shape = {"moe": (Qwen3MoeConfig, QWEN3_30B_A3B), "gemma2": (Gemma2Config, GEMMA2_9B),
+                          "w1": (Qwen2Config, W1)}[args.model]
     model = build(config_cls, shape, args.layers, "cuda", torch.bfloat16)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
     run = lambda n: pagedkv.generate(model, ids, max_new_tokens=n, do_sample=False)  # noqa: E731

@@ -1,5 +1,5 @@
 // Tensor-core (mma.sync, sm_80 and later) and asynchronous-copy primitives shared by the
-// attention kernels.
+// attention kernels (and the copies of the tensor-core GEMV's ring).
 //
 // Fragment layouts (PTX ISA, g = lane / 4, t = lane % 4; a register holds two 16-bit values, the
 // lower column or k in its low half):
@@ -98,6 +98,19 @@ __device__ __forceinline__ float unpack2_sum(uint32_t r, __half) {
 __device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+// 16 bytes to shared memory through L2 only (.cg); src-size 0 (valid false) writes sixteen zero
+// bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+// The same through L1 too (.ca): for small operands that every CTA of an SM re-reads.
+__device__ __forceinline__ void cp_async16_ca(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

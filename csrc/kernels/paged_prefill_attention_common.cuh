@@ -107,12 +107,6 @@ __device__ __forceinline__ bool cta_work(const PagedPrefillArgs& a, const Plan& 
   return true;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(valid ? 16 : 0));  // src-size 0: sixteen zero bytes, nothing read
-}
-
 // The CTA's kRows query rows into s_q [kRows][row_stride], zeros past w.rows.
 template <typename T, int D, int kRows, int kThreads>
 __device__ __forceinline__ void load_q_tile(T* s_q, const PagedPrefillArgs& a, const Work& w) {
