@@ -1,6 +1,7 @@
 // The tensor-core GEMV (csrc/kernels/gemv.h: gemv_mma) for kGemvMaxRows + 1 .. kGemvMmaMaxRows
-// rows of x. Up to 8 rows (one n-tile) the ring kernel of gemv_mma_ring.cuh runs; 9-16 rows (two
-// n-tiles: speculative verification steps on small matrices) the register-pipelined kernel below,
+// rows of x. Up to 8 rows (one n-tile) the ring kernel of gemv_mma_ring.cuh runs (on GPUs where
+// two of its ~100 KB CTAs fit an SM: Hopper); 9-16 rows (two n-tiles: speculative verification
+// steps on small matrices) and other GPUs the register-pipelined kernel below,
 // where each warp takes kUnroll neighbouring 32-wide slices a step so one warp's loads of a row
 // cover whole 128-byte lines, and x is read from L1. (The ring was measured at 3-8 rows only; at
 // 9-16 rows the register kernel is what prompt lookup's 2.0x on SmolLM2 was measured with.)
@@ -142,13 +143,29 @@ __global__ void __launch_bounds__(kSplit * 32)
   }
 }
 
-// One n-tile: the ring kernel; two: the register kernel.
-template <int kNT>
-constexpr bool kRing = kNT == 1;
+// Whether two CTAs of the ring kernel (~100 KB of shared memory each) fit an SM of the current
+// device, as on Hopper (228 KB an SM), where it was measured. Elsewhere (A100: 164 KB; sm_86 /
+// sm_89, RTX 30xx / 40xx, A10, L4: 100 KB) the register kernel runs. Once per device.
+template <int kAcc, int kNT>
+bool ring_fits_device() {
+  static int cached[64] = {};  // 0 unknown, 1 fits, 2 does not
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+  if (cached[device] == 0) {
+    int per_sm = 0, per_block = 0;
+    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    constexpr int partial_bytes = (kSplit - 1) * kAcc * kNT * 4 * 32 * static_cast<int>(sizeof(float));
+    constexpr int block_bytes = ring_smem_bytes<kAcc, kNT>() + partial_bytes;
+    constexpr int reserved = 1024;  // the system's shared memory per CTA
+    cached[device] = block_bytes <= per_block && 2 * (block_bytes + reserved) <= per_sm ? 1 : 2;
+  }
+  return cached[device] == 1;
+}
 
 // CTAs of the kernel resident on the whole GPU (occupancy times SMs), per device; for the ring
 // kernel also lets it take its dynamic shared memory (once per device).
-template <typename T, int kAcc, int kNT>
+template <typename T, int kAcc, int kNT, bool kRing>
 int resident_ctas() {
   static int cached[64] = {};
   int device = 0;
@@ -156,7 +173,7 @@ int resident_ctas() {
   if (cached[device] == 0) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if constexpr (kRing<kNT>) {
+    if constexpr (kRing) {
       constexpr int smem = ring_smem_bytes<kAcc, kNT>();
       cudaFuncSetAttribute(gemv_mma_ring_kernel<T, kAcc, kNT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_mma_ring_kernel<T, kAcc, kNT>, kSplit * 32, smem);
@@ -170,25 +187,28 @@ int resident_ctas() {
 
 // Tiles per CTA as even as the resident CTAs allow: ceil(tiles / resident) each, the grid the
 // fewest CTAs that cover the tiles that way.
-template <typename T, int kAcc, int kNT>
+template <typename T, int kAcc, int kNT, bool kRing>
 int persistent_grid(int tiles) {
-  const int resident = resident_ctas<T, kAcc, kNT>();
+  const int resident = resident_ctas<T, kAcc, kNT, kRing>();
   if (resident <= 0 || tiles <= resident) return tiles;
   const int per_cta = (tiles + resident - 1) / resident;
   return (tiles + per_cta - 1) / per_cta;
 }
 
+// One n-tile: the ring kernel where it fits the device; otherwise the register kernel.
 template <typename T, int kAcc, int kNT>
 void launch_mma(T* o, const T* xs, int64_t x_stride, const T* w, const T* b, int m, int n, int k,
                 cudaStream_t stream) {
   const int tiles = (n + 15) / 16;
-  if constexpr (kRing<kNT>) {
-    launch_dependent(gemv_mma_ring_kernel<T, kAcc, kNT>, persistent_grid<T, kAcc, kNT>(tiles), kSplit * 32,
-                     ring_smem_bytes<kAcc, kNT>(), stream, o, xs, x_stride, w, b, m, n, k);
-  } else {
-    launch_dependent(gemv_mma_kernel<T, kAcc, kNT>, persistent_grid<T, kAcc, kNT>(tiles), kSplit * 32, 0,
-                     stream, o, xs, x_stride, w, b, m, n, k);
+  if constexpr (kNT == 1) {
+    if (ring_fits_device<kAcc, kNT>()) {
+      launch_dependent(gemv_mma_ring_kernel<T, kAcc, kNT>, persistent_grid<T, kAcc, kNT, true>(tiles),
+                       kSplit * 32, ring_smem_bytes<kAcc, kNT>(), stream, o, xs, x_stride, w, b, m, n, k);
+      return;
+    }
   }
+  launch_dependent(gemv_mma_kernel<T, kAcc, kNT>, persistent_grid<T, kAcc, kNT, false>(tiles), kSplit * 32, 0,
+                   stream, o, xs, x_stride, w, b, m, n, k);
 }
 
 }  // namespace
