@@ -39,12 +39,11 @@ __global__ void __launch_bounds__(kSplit * 32)
   __shared__ float partial[kSplit - 1][kAcc][kNT][4][32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int g = lane / 4;
-  const int t = lane % 4;
   const int tiles = (n + 15) / 16;
 
   // This lane's two weight rows (per accumulator) in tile `tile`, at k offset 8 t.
   const auto rows_of = [&](int tile, const T* (&lo)[kAcc], const T* (&hi)[kAcc]) {
+    const int g = lane / 4, t = lane % 4;
     const int row0 = tile * 16;
 #pragma unroll
     for (int a = 0; a < kAcc; ++a) {
@@ -53,17 +52,9 @@ __global__ void __launch_bounds__(kSplit * 32)
       hi[a] = weight + (base + min(row0 + g + 8, n - 1)) * k + 8 * t;
     }
   };
-  // Lanes of x rows past m read row 0 and zero it with a mask: a select, not a branch, so the
-  // compiler keeps every load of an unrolled step ahead of the mmas.
-  // n-tile nt holds x rows 8 nt .. 8 nt + 7; this lane's is row 8 nt + g.
   uint32_t x_mask[kNT];
   const T* x_ptr[kNT];
-#pragma unroll
-  for (int nt = 0; nt < kNT; ++nt) {
-    const int row = 8 * nt + g;
-    x_mask[nt] = row < m ? ~0u : 0u;
-    x_ptr[nt] = x + static_cast<int64_t>(row < m ? row : 0) * x_stride + 8 * t;
-  }
+  x_rows<T, kNT>(x, x_stride, m, lane, x_ptr, x_mask);
   auto load_x = [&](int nt, int s) -> uint4 {
     uint4 v = *reinterpret_cast<const uint4*>(x_ptr[nt] + s);
     return make_uint4(v.x & x_mask[nt], v.y & x_mask[nt], v.z & x_mask[nt], v.w & x_mask[nt]);
@@ -99,12 +90,7 @@ __global__ void __launch_bounds__(kSplit * 32)
     const int next_tile = tile + gridDim.x;
 
     float c[kAcc][kNT][4];
-#pragma unroll
-    for (int a = 0; a < kAcc; ++a)
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) c[a][nt][i] = 0.f;
+    zero_accumulators(c);
 
     // Main loop, software-pipelined by hand: the loads of the next step (or of the next tile's
     // first) are issued before the mmas of the current one (ptxas otherwise sinks each load

@@ -61,6 +61,31 @@ __device__ __forceinline__ void mma_slice(float (&c)[4], const uint4& lo, const 
   mma<T>(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
 }
 
+// This lane's row of x in each n-tile (n-tile nt holds x rows 8 nt .. 8 nt + 7; the lane's is
+// 8 nt + g), at k offset 8 t. Lanes of rows past m point at row 0 with a zero mask: a select, not
+// a branch, so the compiler keeps every load of an unrolled step ahead of the mmas.
+template <typename T, int kNT>
+__device__ __forceinline__ void x_rows(const T* __restrict__ x, int64_t x_stride, int m, int lane,
+                                       const T* (&ptr)[kNT], uint32_t (&mask)[kNT]) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    const int row = 8 * nt + g;
+    mask[nt] = row < m ? ~0u : 0u;
+    ptr[nt] = x + static_cast<int64_t>(row < m ? row : 0) * x_stride + 8 * t;
+  }
+}
+
+template <int kAcc, int kNT>
+__device__ __forceinline__ void zero_accumulators(float (&c)[kAcc][kNT][4]) {
+#pragma unroll
+  for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[a][nt][i] = 0.f;
+}
+
 // The kSplit warps' partial sums of one tile reduced through shared memory by warp 0, which
 // stores the tile (bias, or SiLU(gate) * up). Ends with a barrier: `partial` is reused.
 template <typename T, int kAcc, int kNT>

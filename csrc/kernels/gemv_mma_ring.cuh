@@ -44,19 +44,12 @@ __global__ void __launch_bounds__(kSplit * 32)
   __shared__ float partial[kSplit - 1][kAcc][kNT][4][32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int g = lane / 4;
-  const int t = lane % 4;
   const int tiles = (n + 15) / 16;
   uint4* ring = ring_smem + warp * kStages * kChunks * 32 + lane;  // piece c of stage s: ring[(s kChunks + c) 32]
 
   uint32_t x_mask[kNT];
   const T* x_ptr[kNT];
-#pragma unroll
-  for (int nt = 0; nt < kNT; ++nt) {
-    const int row = 8 * nt + g;
-    x_mask[nt] = row < m ? ~0u : 0u;
-    x_ptr[nt] = x + static_cast<int64_t>(row < m ? row : 0) * x_stride + 8 * t;
-  }
+  x_rows<T, kNT>(x, x_stride, m, lane, x_ptr, x_mask);
   const int full = k / kSlice;
   const int steps = full / kStep;
 
@@ -67,6 +60,7 @@ __global__ void __launch_bounds__(kSplit * 32)
     if (steps > 0 && issue_tile < tiles) {
       uint4* dst = ring + issue_slot * kChunks * 32;
       const int row0 = issue_tile * 16;
+      const int g = lane / 4, t = lane % 4;
 #pragma unroll
       for (int u = 0; u < kRingSlices; ++u) {
         const int s = (issue_step * kStep + warp * kRingSlices + u) * kSlice;
@@ -95,12 +89,7 @@ __global__ void __launch_bounds__(kSplit * 32)
 #pragma unroll 1
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     float c[kAcc][kNT][4];
-#pragma unroll
-    for (int a = 0; a < kAcc; ++a)
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) c[a][nt][i] = 0.f;
+    zero_accumulators(c);
 
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
