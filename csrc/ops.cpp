@@ -18,9 +18,10 @@ TORCH_LIBRARY(pagedkv, m) {
   // out = x @ weight^T + bias; decode-sized x (<= 8 rows, 16-bit) streams the weight in a kernel
   // of ours at memory bandwidth, anything larger goes to cuBLAS.
   m.def("linear(Tensor! out, Tensor x, Tensor weight, Tensor? bias) -> ()");
-  // out = silu(x @ gate^T) * (x @ up^T), gate_up = [gate; up] rows: the MLP's first half in one
-  // op (one weight-streaming kernel for <= 8 rows of x; cuBLAS + silu_and_mul beyond).
-  m.def("gate_up_silu(Tensor! out, Tensor x, Tensor gate_up) -> ()");
+  // out = act(x @ gate^T) * (x @ up^T), gate_up = [gate; up] rows: the MLP's first half in one
+  // op (one weight-streaming kernel for <= 8 rows of x; cuBLAS + silu_and_mul beyond);
+  // activation as silu_and_mul's: "silu" or "gelu_tanh".
+  m.def("gate_up_silu(Tensor! out, Tensor x, Tensor gate_up, str activation=\"silu\") -> ()");
   // out[b, h] = softmax(scale * q[b, h] . K) V over the context_lens[b] tokens block_tables[b] maps
   // to in k_cache/v_cache; workspace: fp32 split partials; num_splits 0: paged_decode_num_splits.
   // sliding_window > 0: only the last sliding_window tokens; logit_softcap > 0: scaled scores

@@ -1,5 +1,5 @@
-"""pagedkv.ops.linear and gate_up_silu against PyTorch: the CUDA-core kernel (1-2 rows), the
-tensor-core kernel (3-8 rows) and the cuBLAS path (more rows, fp32)."""
+"""pagedkv.ops.linear and gate_up_silu (both activations) against PyTorch: the CUDA-core kernel
+(1-2 rows), the tensor-core kernel (3-16 rows) and the cuBLAS path (more rows, fp32)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ MMA_ROWS = list(range(3, 17))  # one n-tile to 8 rows, two to 16
 # W1's qkv and o; n not a multiple of the 16-row tile with k not a multiple of the 32-wide slice;
 # k of 41 whole slices (2 pipelined steps of 16, 9 more, one partial) and k under one step.
 MMA_SHAPES = [(4608, 3584), (3584, 3584), (37, 3592), (200, 1048), (45, 1320), (24, 200)]
+ACTIVATIONS = ["silu", "gelu_tanh"]  # gate_up_silu's: Llama's, Gemma's
 
 
 def fp64_on_cpu(t):
@@ -158,54 +159,71 @@ def test_chained_products_read_finished_inputs(rows, in_graph):
                              reference_gate_up_silu(fp64_on_cpu(h), fp64_on_cpu(gate_up)), name="gate_up")
 
 
-def reference_gate_up_silu(x, gate_up):
-    """HF's MLP first half in x's dtype: act_fn(gate_proj(x)) * up_proj(x)."""
+def reference_gate_up_silu(x, gate_up, activation="silu"):
+    """HF's MLP first half in x's dtype: act_fn(gate_proj(x)) * up_proj(x), act_fn rounded to the
+    dtype, then the product (silu, or gelu_pytorch_tanh: torch's tanh-approximated gelu)."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up
+
+
+def assert_gate_up_close(out, x, gate_up, activation):
+    assert_close_to_baseline(out, reference_gate_up_silu(x, gate_up, activation),
+                             reference_gate_up_silu(fp64_on_cpu(x), fp64_on_cpu(gate_up), activation))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 5, 12])  # 12: the tensor-core kernel's second n-tile
 @pytest.mark.parametrize("i, k", [(64, 64), (1000, 256), (18944, 3584)])
-def test_gate_up_silu(device, dtype, rows, i, k):
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gate_up_silu(device, dtype, rows, i, k, activation):
     if device == "cpu" and i * k > 1 << 20:
         pytest.skip("CPU covers the small shapes; the large one exercises the CUDA kernel")
     x = torch.randn(rows, k, dtype=dtype, device=device)
     gate_up = torch.randn(2 * i, k, dtype=dtype, device=device) / k**0.5
     out = torch.full((rows, i), float("nan"), dtype=dtype, device=device)
-    ops.gate_up_silu(x, gate_up, out=out)
-    assert_close_to_baseline(out, reference_gate_up_silu(x, gate_up),
-                             reference_gate_up_silu(fp64_on_cpu(x), fp64_on_cpu(gate_up)))
+    ops.gate_up_silu(x, gate_up, out=out, activation=activation)
+    assert_gate_up_close(out, x, gate_up, activation)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", MMA_DTYPES)
 @pytest.mark.parametrize("rows", MMA_ROWS)
 @pytest.mark.parametrize("i, k", [(18944, 3584), (37, 3592), (1000, 1048), (45, 1320)])
-def test_gate_up_silu_tensor_core_rows(dtype, rows, i, k):
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gate_up_silu_tensor_core_rows(dtype, rows, i, k, activation):
     x = strided_rows(rows, k, dtype)
     gate_up = torch.randn(2 * i, k, dtype=dtype, device="cuda") / k**0.5
     out = torch.full((rows, i), float("nan"), dtype=dtype, device="cuda")
-    ops.gate_up_silu(x, gate_up, out=out)
-    assert_close_to_baseline(out, reference_gate_up_silu(x, gate_up),
-                             reference_gate_up_silu(fp64_on_cpu(x), fp64_on_cpu(gate_up)))
+    ops.gate_up_silu(x, gate_up, out=out, activation=activation)
+    assert_gate_up_close(out, x, gate_up, activation)
 
 
 @pytest.mark.cuda
-def test_gate_up_silu_captured_in_cuda_graph():
-    x = torch.randn(8, 3584, dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("rows", [1, 8])  # the CUDA-core kernel, the tensor-core one
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gate_up_silu_captured_in_cuda_graph(rows, activation):
+    x = torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda")
     gate_up = torch.randn(2 * 18944, 3584, dtype=torch.bfloat16, device="cuda") / 3584**0.5
-    out = torch.empty(8, 18944, dtype=torch.bfloat16, device="cuda")
-    ops.gate_up_silu(x, gate_up, out=out)
+    out = torch.empty(rows, 18944, dtype=torch.bfloat16, device="cuda")
+    ops.gate_up_silu(x, gate_up, out=out, activation=activation)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.gate_up_silu(x, gate_up, out=out)
+        ops.gate_up_silu(x, gate_up, out=out, activation=activation)
     x.normal_()
     out.fill_(float("nan"))
     graph.replay()
-    assert_close_to_baseline(out, reference_gate_up_silu(x, gate_up),
-                             reference_gate_up_silu(fp64_on_cpu(x), fp64_on_cpu(gate_up)))
+    assert_gate_up_close(out, x, gate_up, activation)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gate_up_silu_opcheck(device, activation):
+    x = torch.randn(2, 64, device=device)
+    gate_up = torch.randn(64, 64, device=device)
+    out = torch.empty(2, 32, device=device)
+    torch.library.opcheck(torch.ops.pagedkv.gate_up_silu.default, (out, x, gate_up, activation))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -215,3 +233,15 @@ def test_gate_up_silu_bad_calls(device):
         ops.gate_up_silu(x, torch.randn(31, 64, device=device))
     with pytest.raises(RuntimeError, match=r"out must have shape \[2, 16\]"):
         ops.gate_up_silu(x, torch.randn(32, 64, device=device), out=torch.empty(2, 32, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gate_up_silu_unknown_activation_is_named(device):
+    """The wrapper refuses it before anything runs; the op itself (the C++ check) too."""
+    x = torch.randn(2, 64, device=device)
+    gate_up = torch.randn(32, 64, device=device)
+    message = r"activation must be 'silu' or 'gelu_tanh', got 'gelu'"
+    with pytest.raises(ValueError, match=message):
+        ops.gate_up_silu(x, gate_up, activation="gelu")
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.pagedkv.gate_up_silu(torch.empty(2, 16, device=device), x, gate_up, "gelu")

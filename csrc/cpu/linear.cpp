@@ -1,4 +1,5 @@
-// CPU pagedkv::linear (out = x @ weight^T + bias) through ATen.
+// CPU pagedkv::linear (out = x @ weight^T + bias) and pagedkv::gate_up_silu (that GEMM, then
+// silu_and_mul) through ATen.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -21,14 +22,16 @@ void linear_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x);  // cpu/silu_and_mul.cpp
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x,
+                      c10::string_view activation);  // cpu/silu_and_mul.cpp
 
-void gate_up_silu_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up) {
+void gate_up_silu_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
+                      c10::string_view activation) {
   check_gate_up_silu_args(out, x, gate_up);
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
   std::vector<int64_t> gate_up_shape = out.sizes().vec();  // [..., 2 * i]
   gate_up_shape.back() *= 2;
-  silu_and_mul_cpu(out, at::mm(x2, gate_up.t()).view(gate_up_shape));
+  silu_and_mul_cpu(out, at::mm(x2, gate_up.t()).view(gate_up_shape), activation);
 }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {

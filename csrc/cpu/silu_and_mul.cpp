@@ -40,7 +40,7 @@ void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x, c10::string_view act
   });
 }
 
-// gate_up_silu's GEMM + activation (cpu/linear.cpp).
+// moe_gate_up_silu's activation (cpu/moe_experts.cpp).
 void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x) { silu_and_mul_cpu(out, x, "silu"); }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {

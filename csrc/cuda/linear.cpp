@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "cuda/torch_utils.h"
+#include "kernel_checks.h"
 #include "kernels/gemv.h"
 #include "linear_checks.h"
 
@@ -41,13 +42,14 @@ void linear_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
     C10_CUDA_CHECK(kernels::gemv_mma(out2.data_ptr(), x2.const_data_ptr(), x2.stride(0),
                                      weight.const_data_ptr(), bias ? bias->const_data_ptr() : nullptr,
                                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                                     /*silu_mul=*/false, kernel_dtype(x),
+                                     kernels::GatedAct::kNone, kernel_dtype(x),
                                      c10::cuda::getCurrentCUDAStream()));
   } else if (path == Path::kGemv) {
     C10_CUDA_CHECK(kernels::gemv(out2.data_ptr(), x2.const_data_ptr(), x2.stride(0),
                                  weight.const_data_ptr(), bias ? bias->const_data_ptr() : nullptr,
                                  static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                                 kernel_dtype(x), c10::cuda::getCurrentCUDAStream()));
+                                 kernels::GatedAct::kNone, kernel_dtype(x),
+                                 c10::cuda::getCurrentCUDAStream()));
   } else if (bias) {
     at::addmm_out(out2, *bias, x2, weight.t());
   } else {
@@ -55,9 +57,13 @@ void linear_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& x);  // cuda/silu_and_mul.cpp
+void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& x,
+                       c10::string_view activation);  // cuda/silu_and_mul.cpp
 
-void gate_up_silu_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up) {
+void gate_up_silu_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
+                       c10::string_view activation) {
+  const kernels::GatedAct act =
+      is_gelu_tanh(activation) ? kernels::GatedAct::kGeluTanh : kernels::GatedAct::kSilu;
   check_gate_up_silu_args(out, x, gate_up);
   check_cuda(x, "x");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -69,17 +75,17 @@ void gate_up_silu_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& g
   if (path == Path::kGemvMma) {
     C10_CUDA_CHECK(kernels::gemv_mma(out.data_ptr(), x2.const_data_ptr(), x2.stride(0),
                                      gate_up.const_data_ptr(), nullptr, static_cast<int>(m),
-                                     static_cast<int>(i), static_cast<int>(k), /*silu_mul=*/true,
+                                     static_cast<int>(i), static_cast<int>(k), act,
                                      kernel_dtype(x), c10::cuda::getCurrentCUDAStream()));
   } else if (path == Path::kGemv) {
-    C10_CUDA_CHECK(kernels::gemv_silu_mul(out.data_ptr(), x2.const_data_ptr(), x2.stride(0),
-                                          gate_up.const_data_ptr(), static_cast<int>(m),
-                                          static_cast<int>(i), static_cast<int>(k),
-                                          kernel_dtype(x), c10::cuda::getCurrentCUDAStream()));
+    C10_CUDA_CHECK(kernels::gemv(out.data_ptr(), x2.const_data_ptr(), x2.stride(0),
+                                 gate_up.const_data_ptr(), nullptr, static_cast<int>(m),
+                                 static_cast<int>(i), static_cast<int>(k), act, kernel_dtype(x),
+                                 c10::cuda::getCurrentCUDAStream()));
   } else {
     std::vector<int64_t> gate_up_shape = out.sizes().vec();  // [..., 2 * i]
     gate_up_shape.back() *= 2;
-    silu_and_mul_cuda(out, at::mm(x2, gate_up.t()).view(gate_up_shape));
+    silu_and_mul_cuda(out, at::mm(x2, gate_up.t()).view(gate_up_shape), activation);
   }
 }
 

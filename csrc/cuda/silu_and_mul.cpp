@@ -19,12 +19,6 @@ void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& x, c10::string_view ac
                                        c10::cuda::getCurrentCUDAStream()));
 }
 
-// gate_up_silu's path beyond its fused kernel (cuda/linear.cpp).
-void silu_and_mul_cuda(at::Tensor& out, const at::Tensor& x) { silu_and_mul_cuda(out, x, "silu"); }
-
-TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
-  m.impl("silu_and_mul",
-         static_cast<void (*)(at::Tensor&, const at::Tensor&, c10::string_view)>(&silu_and_mul_cuda));
-}
+TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) { m.impl("silu_and_mul", &silu_and_mul_cuda); }
 
 }  // namespace pagedkv

@@ -41,18 +41,18 @@ __device__ __forceinline__ V load_streaming(const V* p) {
   return v;
 }
 
-// Plain: out [m, n] = x @ weight^T + bias, weight [n, k], one weight row per warp.
-// kSiluMul: weight is [2n, k] (gate rows, then up rows); the warp of output j reads rows j and
-// n + j and writes out [m, n] = silu(x @ gate^T) * (x @ up^T), each product rounded to T first,
-// as HF's MLP rounds gate_proj and up_proj outputs. x [m, k] has row stride x_stride.
-template <typename T, int kM, bool kSiluMul>
+// kAct kNone: out [m, n] = x @ weight^T + bias, weight [n, k], one weight row per warp.
+// kSilu, kGeluTanh: weight is [2n, k] (gate rows, then up rows); the warp of output j reads rows
+// j and n + j and writes out [m, n] = act(x @ gate^T) * (x @ up^T), each product rounded to T
+// first, as HF's MLP rounds gate_proj and up_proj outputs. x [m, k] has row stride x_stride.
+template <typename T, int kM, GatedAct kAct>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     gemv_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                 const T* __restrict__ weight, const T* __restrict__ bias, int n, int k) {
   begin_dependent_kernel();
   using V = typename Pack8<T>::V;
   constexpr int kE = Pack8<T>::kElems;
-  constexpr int kRowsPerWarp = kSiluMul ? 2 : 1;
+  constexpr int kRowsPerWarp = weight_rows_per_output(kAct);
   const int lane = threadIdx.x % 32;
   const int row0 = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;  // the output column
   if (row0 >= n) return;
@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     for (int r = 0; r < kRowsPerWarp; ++r) sums[r] = warp_sum(acc[r][i]);
     if (lane != 0) continue;
     T* dst = out + static_cast<int64_t>(i) * n + row0;
-    if constexpr (kSiluMul) {
-      *dst = silu_mul(from_float<T>(sums[0]), from_float<T>(sums[1]));
+    if constexpr (kAct != GatedAct::kNone) {
+      *dst = gated_mul<kAct>(from_float<T>(sums[0]), from_float<T>(sums[1]));
     } else {
       const float b = bias == nullptr ? 0.f : to_float(bias[row0]);
       *dst = from_float<T>(sums[0] + b);
@@ -116,15 +116,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 }
 
 // One warp per output column: the most warps in flight for the short matrices of small batches.
-template <typename T, int kM, bool kSiluMul>
+template <typename T, int kM, GatedAct kAct>
 cudaError_t launch_m(T* out, const T* x, int64_t x_stride, const T* w, const T* bias, int n, int k,
                      cudaStream_t stream) {
   const int blocks = (n + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  launch_dependent(gemv_kernel<T, kM, kSiluMul>, blocks, kWarpsPerBlock * 32, 0, stream, out, x, x_stride, w, bias, n, k);
+  launch_dependent(gemv_kernel<T, kM, kAct>, blocks, kWarpsPerBlock * 32, 0, stream, out, x, x_stride, w, bias, n, k);
   return cudaGetLastError();
 }
 
-template <bool kSiluMul>
+template <GatedAct kAct>
 cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* weight, const void* bias,
                    int m, int n, int k, DType dtype, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
@@ -138,8 +138,8 @@ cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* weigh
       auto* w = static_cast<const T*>(weight);
       auto* b = static_cast<const T*>(bias);
       switch (m) {
-        case 1: return launch_m<T, 1, kSiluMul>(o, xs, x_stride, w, b, n, k, stream);
-        case 2: return launch_m<T, 2, kSiluMul>(o, xs, x_stride, w, b, n, k, stream);
+        case 1: return launch_m<T, 1, kAct>(o, xs, x_stride, w, b, n, k, stream);
+        case 2: return launch_m<T, 2, kAct>(o, xs, x_stride, w, b, n, k, stream);
         default: return cudaErrorInvalidValue;
       }
     }
@@ -149,13 +149,16 @@ cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* weigh
 }  // namespace
 
 cudaError_t gemv(void* out, const void* x, int64_t x_stride, const void* weight, const void* bias,
-                 int m, int n, int k, DType dtype, cudaStream_t stream) {
-  return launch<false>(out, x, x_stride, weight, bias, m, n, k, dtype, stream);
-}
-
-cudaError_t gemv_silu_mul(void* out, const void* x, int64_t x_stride, const void* gate_up, int m,
-                          int n, int k, DType dtype, cudaStream_t stream) {
-  return launch<true>(out, x, x_stride, gate_up, nullptr, m, n, k, dtype, stream);
+                 int m, int n, int k, GatedAct act, DType dtype, cudaStream_t stream) {
+  switch (act) {
+    case GatedAct::kNone:
+      return launch<GatedAct::kNone>(out, x, x_stride, weight, bias, m, n, k, dtype, stream);
+    case GatedAct::kSilu:
+      return launch<GatedAct::kSilu>(out, x, x_stride, weight, bias, m, n, k, dtype, stream);
+    case GatedAct::kGeluTanh:
+      return launch<GatedAct::kGeluTanh>(out, x, x_stride, weight, bias, m, n, k, dtype, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace pagedkv::kernels

@@ -23,19 +23,20 @@ using namespace gemv_mma_detail;
 
 constexpr int kUnroll = 4;  // 32-wide k-slices loaded per warp before the first mma
 
-// kAcc = 1: out [m, n] = x @ weight^T + bias. kAcc = 2 (silu): weight [2n, k] is gate rows then
-// up rows; out [m, n] = silu(x @ gate^T) * (x @ up^T), each product rounded to T first (HF).
+// kAct kNone: out [m, n] = x @ weight^T + bias. kSilu, kGeluTanh: weight [2n, k] is gate rows
+// then up rows; out [m, n] = act(x @ gate^T) * (x @ up^T), each product rounded to T first (HF).
 // x [m, k] has row stride x_stride; k % 8 == 0. Rows of the tile past n are clamped (read, not
 // stored); x rows past m and k past the end are zeros.
 // Persistent: CTA i takes tiles i, i + gridDim.x, ... and the software pipeline runs across
 // them: the last step of one tile issues the loads of the next tile's first step, so the
 // reduction and the stores of a tile overlap memory reads, and no CTA starts from an empty pipe
 // (with one tile per CTA, every CTA of every wave waited a full memory round trip first).
-template <typename T, int kAcc, int kNT>
+template <typename T, GatedAct kAct, int kNT>
 __global__ void __launch_bounds__(kSplit * 32)
     gemv_mma_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                     const T* __restrict__ weight, const T* __restrict__ bias, int m, int n, int k) {
   begin_dependent_kernel();
+  constexpr int kAcc = weight_rows_per_output(kAct);  // weight rows per output: 1, or gate and up
   __shared__ float partial[kSplit - 1][kAcc][kNT][4][32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(kSplit * 32)
           for (int nt = 0; nt < kNT; ++nt) mma_slice<T>(c[a][nt], lo_c[u][a], hi_c[u][a], xv_c[u][nt]);
     }
     leftover_slices<T, kAcc, kNT>(c, weight, x_ptr, x_mask, tile, n, k, steps * kStep, warp, lane);
-    store_tile<T, kAcc, kNT>(c, partial, out, bias, tile, m, n, warp, lane);
+    store_tile<T, kAct, kNT>(c, partial, out, bias, tile, m, n, warp, lane);
   }
 }
 
@@ -151,8 +152,9 @@ bool ring_fits_device() {
 
 // CTAs of the kernel resident on the whole GPU (occupancy times SMs), per device; for the ring
 // kernel also lets it take its dynamic shared memory (once per device).
-template <typename T, int kAcc, int kNT, bool kRing>
+template <typename T, GatedAct kAct, int kNT, bool kRing>
 int resident_ctas() {
+  constexpr int kAcc = weight_rows_per_output(kAct);
   static int cached[64] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
@@ -161,10 +163,10 @@ int resident_ctas() {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if constexpr (kRing) {
       constexpr int smem = ring_smem_bytes<kAcc, kNT>();
-      cudaFuncSetAttribute(gemv_mma_ring_kernel<T, kAcc, kNT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_mma_ring_kernel<T, kAcc, kNT>, kSplit * 32, smem);
+      cudaFuncSetAttribute(gemv_mma_ring_kernel<T, kAct, kNT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_mma_ring_kernel<T, kAct, kNT>, kSplit * 32, smem);
     } else {
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_mma_kernel<T, kAcc, kNT>, kSplit * 32, 0);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_mma_kernel<T, kAct, kNT>, kSplit * 32, 0);
     }
     cached[device] = std::max(1, sms * per_sm);
   }
@@ -173,34 +175,35 @@ int resident_ctas() {
 
 // Tiles per CTA as even as the resident CTAs allow: ceil(tiles / resident) each, the grid the
 // fewest CTAs that cover the tiles that way.
-template <typename T, int kAcc, int kNT, bool kRing>
+template <typename T, GatedAct kAct, int kNT, bool kRing>
 int persistent_grid(int tiles) {
-  const int resident = resident_ctas<T, kAcc, kNT, kRing>();
+  const int resident = resident_ctas<T, kAct, kNT, kRing>();
   if (resident <= 0 || tiles <= resident) return tiles;
   const int per_cta = (tiles + resident - 1) / resident;
   return (tiles + per_cta - 1) / per_cta;
 }
 
 // One n-tile: the ring kernel where it fits the device; otherwise the register kernel.
-template <typename T, int kAcc, int kNT>
+template <typename T, GatedAct kAct, int kNT>
 void launch_mma(T* o, const T* xs, int64_t x_stride, const T* w, const T* b, int m, int n, int k,
                 cudaStream_t stream) {
+  constexpr int kAcc = weight_rows_per_output(kAct);
   const int tiles = (n + 15) / 16;
   if constexpr (kNT == 1) {
     if (ring_fits_device<kAcc, kNT>()) {
-      launch_dependent(gemv_mma_ring_kernel<T, kAcc, kNT>, persistent_grid<T, kAcc, kNT, true>(tiles),
+      launch_dependent(gemv_mma_ring_kernel<T, kAct, kNT>, persistent_grid<T, kAct, kNT, true>(tiles),
                        kSplit * 32, ring_smem_bytes<kAcc, kNT>(), stream, o, xs, x_stride, w, b, m, n, k);
       return;
     }
   }
-  launch_dependent(gemv_mma_kernel<T, kAcc, kNT>, persistent_grid<T, kAcc, kNT, false>(tiles), kSplit * 32, 0,
+  launch_dependent(gemv_mma_kernel<T, kAct, kNT>, persistent_grid<T, kAct, kNT, false>(tiles), kSplit * 32, 0,
                    stream, o, xs, x_stride, w, b, m, n, k);
 }
 
 }  // namespace
 
 cudaError_t gemv_mma(void* out, const void* x, int64_t x_stride, const void* weight,
-                     const void* bias, int m, int n, int k, bool silu_mul, DType dtype,
+                     const void* bias, int m, int n, int k, GatedAct act, DType dtype,
                      cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   if (m > kGemvMmaMaxRows) return cudaErrorInvalidValue;
@@ -216,10 +219,13 @@ cudaError_t gemv_mma(void* out, const void* x, int64_t x_stride, const void* wei
       // One n-tile up to 8 rows, two past 8.
       const auto launch = [&](auto nt_tag) {
         constexpr int kNT = decltype(nt_tag)::value;
-        if (silu_mul) {
-          launch_mma<T, 2, kNT>(o, xs, x_stride, w, nullptr, m, n, k, stream);
-        } else {
-          launch_mma<T, 1, kNT>(o, xs, x_stride, w, b, m, n, k, stream);
+        switch (act) {
+          case GatedAct::kNone:
+            return launch_mma<T, GatedAct::kNone, kNT>(o, xs, x_stride, w, b, m, n, k, stream);
+          case GatedAct::kSilu:
+            return launch_mma<T, GatedAct::kSilu, kNT>(o, xs, x_stride, w, b, m, n, k, stream);
+          case GatedAct::kGeluTanh:
+            return launch_mma<T, GatedAct::kGeluTanh, kNT>(o, xs, x_stride, w, b, m, n, k, stream);
         }
       };
       if (m <= 8) {

@@ -7,7 +7,7 @@
 // dot product's k order is free, so each lane takes 16 contiguous bytes of its two weight rows
 // and the fragments are filled in load order; x's B fragment uses the same k permutation, which
 // makes it 16 contiguous bytes of one x row too. A CTA owns 16 weight rows (16 gate + 16 up rows
-// for silu); its kSplit warps share k and reduce through shared memory at the end.
+// for a gated activation); its kSplit warps share k and reduce through shared memory at the end.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -87,8 +87,9 @@ __device__ __forceinline__ void zero_accumulators(float (&c)[kAcc][kNT][4]) {
 }
 
 // The kSplit warps' partial sums of one tile reduced through shared memory by warp 0, which
-// stores the tile (bias, or SiLU(gate) * up). Ends with a barrier: `partial` is reused.
-template <typename T, int kAcc, int kNT>
+// stores the tile (kAct kNone: plus bias; otherwise act(gate) * up). Ends with a barrier:
+// `partial` is reused.
+template <typename T, GatedAct kAct, int kNT, int kAcc = weight_rows_per_output(kAct)>
 __device__ __forceinline__ void store_tile(float (&c)[kAcc][kNT][4], float (&partial)[kSplit - 1][kAcc][kNT][4][32],
                                            T* __restrict__ out, const T* __restrict__ bias, int tile, int m,
                                            int n, int warp, int lane) {
@@ -126,8 +127,8 @@ __device__ __forceinline__ void store_tile(float (&c)[kAcc][kNT][4], float (&par
           const int i = 8 * nt + 2 * t + e;
           if (i >= m) continue;
           T* dst = out + static_cast<int64_t>(i) * n + col;
-          if constexpr (kAcc == 2) {
-            *dst = silu_mul(from_float<T>(c[0][nt][2 * h + e]), from_float<T>(c[1][nt][2 * h + e]));
+          if constexpr (kAct != GatedAct::kNone) {
+            *dst = gated_mul<kAct>(from_float<T>(c[0][nt][2 * h + e]), from_float<T>(c[1][nt][2 * h + e]));
           } else {
             const float b = bias == nullptr ? 0.f : to_float(bias[col]);
             *dst = from_float<T>(c[0][nt][2 * h + e] + b);

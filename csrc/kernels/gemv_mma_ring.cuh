@@ -26,15 +26,16 @@ constexpr int ring_stages() { return (100 << 10) / (kSplit * ring_chunks<kAcc, k
 template <int kAcc, int kNT>
 constexpr int ring_smem_bytes() { return kSplit * ring_stages<kAcc, kNT>() * ring_chunks<kAcc, kNT>() * 32 * 16; }
 
-// Same contract as gemv_mma.cu's gemv_mma_kernel (kAcc 1: x @ W^T + bias; 2: SiLU(gate) * up),
+// Same contract as gemv_mma.cu's gemv_mma_kernel (kAct kNone: x @ W^T + bias; else act(gate) * up),
 // persistent the same way: CTA i takes tiles i, i + gridDim.x, ..., and its warps' rings run on
 // across them (the next tile's first stages are in flight while this tile reduces and stores).
 // Dynamic shared memory: ring_smem_bytes<kAcc, kNT>().
-template <typename T, int kAcc, int kNT>
+template <typename T, GatedAct kAct, int kNT>
 __global__ void __launch_bounds__(kSplit * 32)
     gemv_mma_ring_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                          const T* __restrict__ weight, const T* __restrict__ bias, int m, int n, int k) {
   begin_dependent_kernel();
+  constexpr int kAcc = weight_rows_per_output(kAct);  // weight rows per output: 1, or gate and up
   constexpr int kStages = ring_stages<kAcc, kNT>();
   constexpr int kPer = 2 * kAcc + kNT;  // pieces a lane a slice: lo, hi per accumulator, x per n-tile
   constexpr int kChunks = kRingSlices * kPer;
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kSplit * 32)
             mma_slice<T>(c[a][nt], f[u * kPer + 2 * a], f[u * kPer + 2 * a + 1], f[u * kPer + 2 * kAcc + nt]);
     }
     leftover_slices<T, kAcc, kNT>(c, weight, x_ptr, x_mask, tile, n, k, steps * kStep, warp, lane);
-    store_tile<T, kAcc, kNT>(c, partial, out, bias, tile, m, n, warp, lane);
+    store_tile<T, kAct, kNT>(c, partial, out, bias, tile, m, n, warp, lane);
   }
   cp_async_wait<0>();
 }

@@ -6,6 +6,9 @@ import torch
 
 from pagedkv.ops._common import _ops
 
+# The gate activations of the gated MLP ops (silu_and_mul, gate_up_silu), by their ops' names.
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
     """``act(x[..., :I]) * x[..., I:]`` rounded as HF's ``act_fn(gate) * up`` in the dtype.

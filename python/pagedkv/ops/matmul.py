@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.ops._common import _ops
-from pagedkv.ops.activation import silu_and_mul
+from pagedkv.ops.activation import GATED_ACTIVATIONS
 
 
 def linear(
@@ -26,18 +26,20 @@ def linear(
 
 def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor | None = None,
                  activation: str = "silu") -> torch.Tensor:
-    """The MLP's first half, HF's rounding: ``silu(x @ gate^T) * (x @ up^T)``.
+    """The MLP's first half, HF's rounding: ``act(x @ gate^T) * (x @ up^T)``.
 
-    x: [..., K] (last dim contiguous); gate_up: [2 * I, K], the gate rows then the up rows (the
-    fused weight); out: [..., I]. On CUDA, 1-8 rows of bf16/fp16 x run as one weight-streaming
-    kernel (no [.., 2 * I] intermediate, no second launch); otherwise a GEMM + silu_and_mul.
-    activation "gelu_tanh" (HF's gelu_pytorch_tanh, Gemma's) always runs as linear + silu_and_mul.
+    x: [..., K] (last dim contiguous), float32/float16/bfloat16; gate_up: [2 * I, K] in x's dtype,
+    the gate rows then the up rows (the fused weight); out: [..., I] or None to allocate one;
+    activation: "silu" (Llama's) or "gelu_tanh" (HF's gelu_pytorch_tanh, Gemma's), rounded as
+    silu_and_mul rounds it. On CUDA, 1-8 rows of bf16/fp16 x run as one weight-streaming kernel
+    with either activation (no [..., 2 * I] intermediate, no second launch); otherwise a GEMM +
+    silu_and_mul. Returns out; ValueError for another activation.
     """
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"pagedkv: activation must be 'silu' or 'gelu_tanh', got {activation!r}")
     if out is None:
         out = x.new_empty((*x.shape[:-1], gate_up.shape[0] // 2))
-    if activation != "silu":
-        return silu_and_mul(linear(x, gate_up), out=out, activation=activation)
-    _ops.gate_up_silu(out, x, gate_up)
+    _ops.gate_up_silu(out, x, gate_up, activation)
     return out
 
 
@@ -47,5 +49,5 @@ def _linear_fake(out, x, weight, bias) -> None:
 
 
 @torch.library.register_fake("pagedkv::gate_up_silu")
-def _gate_up_silu_fake(out, x, gate_up) -> None:
+def _gate_up_silu_fake(out, x, gate_up, activation="silu") -> None:
     return None

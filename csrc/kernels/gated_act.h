@@ -1,0 +1,15 @@
+// What the epilogue of a weight-streaming GEMV applies (kernels/gemv.h): the plain product, or a
+// gated MLP's act(x @ gate^T) * (x @ up^T) over a fused [gate; up] weight. A template parameter
+// of the kernels, named without torch like DType.
+#pragma once
+
+namespace pagedkv::kernels {
+
+// kSilu: Llama's SiLU; kGeluTanh: HF's gelu_pytorch_tanh (Gemma's). Both with HF's rounding
+// (kernels/silu.cuh).
+enum class GatedAct { kNone, kSilu, kGeluTanh };
+
+// Weight rows behind one output column: one, or its gate row and its up row.
+constexpr int weight_rows_per_output(GatedAct act) { return act == GatedAct::kNone ? 1 : 2; }
+
+}  // namespace pagedkv::kernels
