@@ -150,15 +150,9 @@ cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* weigh
 
 cudaError_t gemv(void* out, const void* x, int64_t x_stride, const void* weight, const void* bias,
                  int m, int n, int k, GatedAct act, DType dtype, cudaStream_t stream) {
-  switch (act) {
-    case GatedAct::kNone:
-      return launch<GatedAct::kNone>(out, x, x_stride, weight, bias, m, n, k, dtype, stream);
-    case GatedAct::kSilu:
-      return launch<GatedAct::kSilu>(out, x, x_stride, weight, bias, m, n, k, dtype, stream);
-    case GatedAct::kGeluTanh:
-      return launch<GatedAct::kGeluTanh>(out, x, x_stride, weight, bias, m, n, k, dtype, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_gated_act(act, [&](auto act_tag) {
+    return launch<decltype(act_tag)::value>(out, x, x_stride, weight, bias, m, n, k, dtype, stream);
+  });
 }
 
 }  // namespace pagedkv::kernels

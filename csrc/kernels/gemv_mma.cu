@@ -218,22 +218,13 @@ cudaError_t gemv_mma(void* out, const void* x, int64_t x_stride, const void* wei
       auto* b = static_cast<const T*>(bias);
       // One n-tile up to 8 rows, two past 8.
       const auto launch = [&](auto nt_tag) {
-        constexpr int kNT = decltype(nt_tag)::value;
-        switch (act) {
-          case GatedAct::kNone:
-            return launch_mma<T, GatedAct::kNone, kNT>(o, xs, x_stride, w, b, m, n, k, stream);
-          case GatedAct::kSilu:
-            return launch_mma<T, GatedAct::kSilu, kNT>(o, xs, x_stride, w, b, m, n, k, stream);
-          case GatedAct::kGeluTanh:
-            return launch_mma<T, GatedAct::kGeluTanh, kNT>(o, xs, x_stride, w, b, m, n, k, stream);
-        }
+        return dispatch_gated_act(act, [&](auto act_tag) {
+          launch_mma<T, decltype(act_tag)::value, decltype(nt_tag)::value>(o, xs, x_stride, w, b, m,
+                                                                           n, k, stream);
+          return cudaGetLastError();
+        });
       };
-      if (m <= 8) {
-        launch(std::integral_constant<int, 1>{});
-      } else {
-        launch(std::integral_constant<int, 2>{});
-      }
-      return cudaGetLastError();
+      return m <= 8 ? launch(std::integral_constant<int, 1>{}) : launch(std::integral_constant<int, 2>{});
     }
   });
 }
