@@ -56,16 +56,4 @@ inline void check_norm_args(const at::Tensor& out, const char* out_name, const a
   TORCH_CHECK(epsilon >= 0.0, "pagedkv: epsilon must be >= 0, got ", epsilon);
 }
 
-// fused_add_rms_norm's optional input_weight: a second norm weight, checked as `weight` is.
-inline void check_input_norm_weight(const std::optional<at::Tensor>& input_weight,
-                                    const at::Tensor& input) {
-  if (!input_weight.has_value()) return;
-  check_same_dtype(*input_weight, input, "input_weight", "input");
-  check_same_device(*input_weight, input, "input_weight", "input");
-  TORCH_CHECK(input_weight->dim() == 1 && input_weight->size(0) == input.size(-1),
-              "pagedkv: input_weight must have shape [hidden] = [", input.size(-1), "], got ",
-              input_weight->sizes());
-  check_contiguous(*input_weight, "input_weight");
-}
-
 }  // namespace pagedkv

@@ -8,10 +8,8 @@ TORCH_LIBRARY(pagedkv, m) {
   // gemma_style: out = (1 + weight) * rms_normalize(input) in fp32, rounded once (GemmaRMSNorm).
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon, bool gemma_style=False) -> ()");
   // residual = input + residual; input = weight * rms_normalize(residual). Both in place.
-  // input_weight: input is first normalised with it, input_weight * rms_normalize(input) (Gemma-2/3's
-  // norm of each sublayer's output before the add), in the same launch.
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon, "
-        "bool gemma_style=False, Tensor? input_weight=None) -> ()");
+        "bool gemma_style=False) -> ()");
   // Tensor parallelism: residual += sum over ranks of input (each rank's partial sums, read from
   // every rank's peer buffer at the addresses peer_buffers[r]); input = weight * rms_normalize(
   // residual). One launch instead of an all-reduce and a norm (kernels/peer_all_reduce.h).

@@ -1,4 +1,4 @@
-// CPU rms_norm / fused_add_rms_norm (with its optional norm of the input first). Same rounding as HF's LlamaRMSNorm: accumulate in fp32,
+// CPU rms_norm / fused_add_rms_norm. Same rounding as HF's LlamaRMSNorm: accumulate in fp32,
 // round the normalized value to the input dtype, then multiply by the weight and round again.
 // gemma_style: HF's GemmaRMSNorm instead, the normalized value times (1 + weight) in fp32, one
 // rounding at the end.
@@ -70,18 +70,12 @@ void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
 }
 
 void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
-                            double epsilon, bool gemma_style,
-                            const std::optional<at::Tensor>& input_weight) {
+                            double epsilon, bool gemma_style) {
   check_norm_args(residual, "residual", input, "input", weight, epsilon);
-  check_input_norm_weight(input_weight, input);
   const int64_t hidden = input.size(-1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "fused_add_rms_norm_cpu", [&] {
     scalar_t* x = input.data_ptr<scalar_t>();
     scalar_t* res = residual.data_ptr<scalar_t>();
-    if (input_weight.has_value()) {  // in place: each row is summed before any of it is written
-      rms_norm_rows(x, x, input_weight->const_data_ptr<scalar_t>(), input.numel() / hidden, hidden,
-                    static_cast<float>(epsilon), gemma_style);
-    }
     add_rows(x, res, input.numel());
     rms_norm_rows(x, res, weight.const_data_ptr<scalar_t>(), input.numel() / hidden, hidden,
                   static_cast<float>(epsilon), gemma_style);

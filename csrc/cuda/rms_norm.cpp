@@ -21,16 +21,13 @@ void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& w
 }
 
 void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
-                             double epsilon, bool gemma_style,
-                             const std::optional<at::Tensor>& input_weight) {
+                             double epsilon, bool gemma_style) {
   check_norm_args(residual, "residual", input, "input", weight, epsilon);
-  check_input_norm_weight(input_weight, input);
   check_cuda(input, "input");
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t hidden = input.size(-1);
   C10_CUDA_CHECK(kernels::fused_add_rms_norm(
-      input.data_ptr(), residual.data_ptr(), weight.const_data_ptr(),
-      input_weight.has_value() ? input_weight->const_data_ptr() : nullptr, input.numel() / hidden,
+      input.data_ptr(), residual.data_ptr(), weight.const_data_ptr(), input.numel() / hidden,
       static_cast<int>(hidden), static_cast<float>(epsilon), gemma_style, kernel_dtype(input),
       c10::cuda::getCurrentCUDAStream()));
 }

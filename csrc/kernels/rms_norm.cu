@@ -1,5 +1,5 @@
-// RMSNorm, residual-add + RMSNorm, and RMSNorm + residual-add + RMSNorm (Gemma-2/3's sandwich):
-// one thread block per row, fp32 accumulation, 16-byte accesses when the row allows. Rounding follows HF's LlamaRMSNorm so greedy tokens match:
+// RMSNorm and residual-add + RMSNorm: one thread block per row, fp32 accumulation, 16-byte
+// accesses when the row allows. Rounding follows HF's LlamaRMSNorm so greedy tokens match:
 // normalize in fp32, round to T, multiply by the weight, round again. The residual sum is rounded
 // to T before it is squared, as HF adds the residual in the model's dtype. kGemma: GemmaRMSNorm's
 // rounding instead (kernels/rms_norm.cuh).
@@ -15,13 +15,10 @@ namespace pagedkv::kernels {
 namespace {
 
 // out [rows, hidden], residual [rows, hidden] (only if kAddResidual), input [rows, hidden],
-// weight [hidden], input_weight [hidden] (only if kNormInput: input is first normalised with it,
-// Gemma-2/3's sandwich norm, so one launch replaces two). For the fused op out == input: no
-// __restrict__ on those two.
-template <typename T, int kVec, bool kAddResidual, bool kGemma, bool kNormInput>
-__global__ void rms_norm_kernel(T* out, T* residual, const T* input, const T* __restrict__ weight,
-                                const T* __restrict__ input_weight, int hidden, float epsilon) {
-  static_assert(kAddResidual || !kNormInput, "a normalised input is only ever added to a residual");
+// weight [hidden]. For the fused op out == input: no __restrict__ on those two.
+template <typename T, int kVec, bool kAddResidual, bool kGemma>
+__global__ void rms_norm_kernel(T* out, T* residual, const T* input,
+                                const T* __restrict__ weight, int hidden, float epsilon) {
   begin_dependent_kernel();
   using V = Vec<T, kVec>;
   const int num_vecs = hidden / kVec;
@@ -29,23 +26,9 @@ __global__ void rms_norm_kernel(T* out, T* residual, const T* input, const T* __
   const V* in_row = reinterpret_cast<const V*>(input + row_offset);
   V* res_row = reinterpret_cast<V*>(residual + (kAddResidual ? row_offset : 0));
 
-  float inv_rms_input = 1.f;
-  if constexpr (kNormInput) {
-    float sum_sq = 0.f;
-    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
-      const V x = in_row[i];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) sum_sq += to_float(x.v[j]) * to_float(x.v[j]);
-    }
-    inv_rms_input = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + epsilon);
-  }
-
   float sum_sq = 0.f;
   for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
-    V x = in_row[i];  // kNormInput: this thread's own elements again, from L1
-    if constexpr (kNormInput) {
-      x = normalize_vec<T, kVec, kGemma>(x, reinterpret_cast<const V*>(input_weight)[i], inv_rms_input);
-    }
+    V x = in_row[i];
     if constexpr (kAddResidual) {
       const V r = res_row[i];
 #pragma unroll
@@ -66,17 +49,15 @@ __global__ void rms_norm_kernel(T* out, T* residual, const T* input, const T* __
                                 reinterpret_cast<const V*>(weight), num_vecs, inv_rms);
 }
 
-template <bool kAddResidual, bool kGemma, bool kNormInput = false>
-cudaError_t launch(void* out, void* residual, const void* input, const void* weight,
-                   const void* input_weight, int64_t rows, int hidden, float epsilon, DType dtype,
-                   cudaStream_t stream) {
+template <bool kAddResidual, bool kGemma>
+cudaError_t launch(void* out, void* residual, const void* input, const void* weight, int64_t rows,
+                   int hidden, float epsilon, DType dtype, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kVec = 16 / sizeof(T);
     const bool vectorized = hidden % kVec == 0 && aligned16(out) && aligned16(input) &&
-                            aligned16(weight) && (!kAddResidual || aligned16(residual)) &&
-                            (!kNormInput || aligned16(input_weight));
+                            aligned16(weight) && (!kAddResidual || aligned16(residual));
     const int per_thread = vectorized ? kVec : 1;
     const int threads = std::min(1024, std::max(32, (hidden / per_thread + 31) / 32 * 32));
     const dim3 grid(static_cast<unsigned>(rows));
@@ -84,13 +65,10 @@ cudaError_t launch(void* out, void* residual, const void* input, const void* wei
     auto* r = static_cast<T*>(residual);
     auto* x = static_cast<const T*>(input);
     auto* w = static_cast<const T*>(weight);
-    auto* wi = static_cast<const T*>(input_weight);
     if (vectorized) {
-      launch_dependent(rms_norm_kernel<T, kVec, kAddResidual, kGemma, kNormInput>, grid, threads, 0,
-                       stream, o, r, x, w, wi, hidden, epsilon);
+      launch_dependent(rms_norm_kernel<T, kVec, kAddResidual, kGemma>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
     } else {
-      launch_dependent(rms_norm_kernel<T, 1, kAddResidual, kGemma, kNormInput>, grid, threads, 0,
-                       stream, o, r, x, w, wi, hidden, epsilon);
+      launch_dependent(rms_norm_kernel<T, 1, kAddResidual, kGemma>, grid, threads, 0, stream, o, r, x, w, hidden, epsilon);
     }
     return cudaGetLastError();
   });
@@ -101,28 +79,18 @@ cudaError_t launch(void* out, void* residual, const void* input, const void* wei
 cudaError_t rms_norm(void* out, const void* input, const void* weight, int64_t rows, int hidden,
                      float epsilon, bool gemma_style, DType dtype, cudaStream_t stream) {
   if (gemma_style) {
-    return launch<false, true>(out, nullptr, input, weight, nullptr, rows, hidden, epsilon, dtype, stream);
+    return launch<false, true>(out, nullptr, input, weight, rows, hidden, epsilon, dtype, stream);
   }
-  return launch<false, false>(out, nullptr, input, weight, nullptr, rows, hidden, epsilon, dtype, stream);
+  return launch<false, false>(out, nullptr, input, weight, rows, hidden, epsilon, dtype, stream);
 }
 
-cudaError_t fused_add_rms_norm(void* input, void* residual, const void* weight,
-                               const void* input_weight, int64_t rows, int hidden, float epsilon,
-                               bool gemma_style, DType dtype, cudaStream_t stream) {
-  if (input_weight != nullptr && gemma_style) {
-    return launch<true, true, true>(input, residual, input, weight, input_weight, rows, hidden,
-                                    epsilon, dtype, stream);
-  }
-  if (input_weight != nullptr) {
-    return launch<true, false, true>(input, residual, input, weight, input_weight, rows, hidden,
-                                     epsilon, dtype, stream);
-  }
+cudaError_t fused_add_rms_norm(void* input, void* residual, const void* weight, int64_t rows,
+                               int hidden, float epsilon, bool gemma_style, DType dtype,
+                               cudaStream_t stream) {
   if (gemma_style) {
-    return launch<true, true>(input, residual, input, weight, nullptr, rows, hidden, epsilon, dtype,
-                              stream);
+    return launch<true, true>(input, residual, input, weight, rows, hidden, epsilon, dtype, stream);
   }
-  return launch<true, false>(input, residual, input, weight, nullptr, rows, hidden, epsilon, dtype,
-                             stream);
+  return launch<true, false>(input, residual, input, weight, rows, hidden, epsilon, dtype, stream);
 }
 
 }  // namespace pagedkv::kernels

@@ -7,23 +7,6 @@
 
 namespace pagedkv::kernels {
 
-// One vector of a row normalised: x * inv_rms with `weight`'s scaling and HF's rounding.
-template <typename T, int kVec, bool kGemma = false>
-__device__ __forceinline__ Vec<T, kVec> normalize_vec(const Vec<T, kVec>& x, const Vec<T, kVec>& g,
-                                                      float inv_rms) {
-  Vec<T, kVec> y;
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    if constexpr (kGemma) {
-      y.v[j] = from_float<T>(to_float(x.v[j]) * inv_rms * (1.f + to_float(g.v[j])));
-    } else {
-      const T normed = from_float<T>(to_float(x.v[j]) * inv_rms);
-      y.v[j] = from_float<T>(to_float(g.v[j]) * to_float(normed));
-    }
-  }
-  return y;
-}
-
 // out_row [num_vecs], row [num_vecs], weight [num_vecs] of kVec elements; this thread's vectors
 // (threadIdx.x, strided by blockDim.x). out_row may alias row.
 template <typename T, int kVec, bool kGemma = false>
@@ -31,7 +14,19 @@ __device__ __forceinline__ void write_normalized_row(Vec<T, kVec>* out_row, cons
                                                      const Vec<T, kVec>* weight, int num_vecs,
                                                      float inv_rms) {
   for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
-    out_row[i] = normalize_vec<T, kVec, kGemma>(row[i], weight[i], inv_rms);
+    const Vec<T, kVec> x = row[i];
+    const Vec<T, kVec> g = weight[i];
+    Vec<T, kVec> y;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if constexpr (kGemma) {
+        y.v[j] = from_float<T>(to_float(x.v[j]) * inv_rms * (1.f + to_float(g.v[j])));
+      } else {
+        const T normed = from_float<T>(to_float(x.v[j]) * inv_rms);
+        y.v[j] = from_float<T>(to_float(g.v[j]) * to_float(normed));
+      }
+    }
+    out_row[i] = y;
   }
 }
 

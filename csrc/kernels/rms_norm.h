@@ -14,10 +14,9 @@ namespace pagedkv::kernels {
 cudaError_t rms_norm(void* out, const void* input, const void* weight, int64_t rows, int hidden,
                      float epsilon, bool gemma_style, DType dtype, cudaStream_t stream);
 
-// input, residual: [rows, hidden], both updated in place; weight: [hidden]. input_weight
-// [hidden] or null: when given, input is first normalised with it (the same style) before the add.
-cudaError_t fused_add_rms_norm(void* input, void* residual, const void* weight,
-                               const void* input_weight, int64_t rows, int hidden, float epsilon,
-                               bool gemma_style, DType dtype, cudaStream_t stream);
+// input, residual: [rows, hidden], both updated in place; weight: [hidden].
+cudaError_t fused_add_rms_norm(void* input, void* residual, const void* weight, int64_t rows,
+                               int hidden, float epsilon, bool gemma_style, DType dtype,
+                               cudaStream_t stream);
 
 }  // namespace pagedkv::kernels

@@ -209,15 +209,15 @@ class GemmaDecoder:
             hidden, workspace = self._attention(i, layer, hidden, meta, workspace)
             if layer.pre_ff_norm is None:  # Gemma: Llama's layout, the norm after the add
                 ops.fused_add_rms_norm(hidden, residual, layer.post_attn_norm, eps, gemma_style=True)
-            else:  # Gemma-2/3: norm the attention output, add, norm the MLP input (one kernel)
-                ops.fused_add_rms_norm(hidden, residual, layer.pre_ff_norm, eps, gemma_style=True,
-                                       input_weight=layer.post_attn_norm)
+            else:  # Gemma-2/3: norm the attention output, add, norm the MLP input
+                hidden = self._norm(hidden, layer.post_attn_norm)
+                ops.fused_add_rms_norm(hidden, residual, layer.pre_ff_norm, eps, gemma_style=True)
             act = ops.gate_up_silu(hidden, layer.gate_up, activation="gelu_tanh")  # [T, I]
             hidden = ops.linear(act, layer.down)
+            if layer.post_ff_norm is not None:
+                hidden = self._norm(hidden, layer.post_ff_norm)
             after = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
-            # Gemma-2/3 norm the MLP output before the add (post_ff_norm), in the same kernel.
-            ops.fused_add_rms_norm(hidden, residual, after, eps, gemma_style=True,
-                                   input_weight=layer.post_ff_norm)
+            ops.fused_add_rms_norm(hidden, residual, after, eps, gemma_style=True)
         if logits_rows is not None:
             hidden = hidden[logits_rows]
         logits = ops.linear(hidden, w.lm_head)  # [R, V]

@@ -25,16 +25,14 @@ def rms_norm(
 
 def fused_add_rms_norm(
     input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float,
-    gemma_style: bool = False, input_weight: torch.Tensor | None = None,
+    gemma_style: bool = False,
 ) -> None:
     """In place: ``residual += input`` (rounded to the dtype), then ``input = rms_norm(residual)``.
 
     input, residual: [..., hidden] contiguous, same dtype/device; weight: [hidden]; gemma_style
-    as rms_norm's. input_weight: [hidden] or None; when given, ``input`` is first replaced by
-    ``rms_norm(input, input_weight)`` (the same style), all in one kernel: Gemma-2/3 normalize
-    each sublayer's output before adding it to the residual.
+    as rms_norm's.
     """
-    _ops.fused_add_rms_norm(input, residual, weight, epsilon, gemma_style, input_weight)
+    _ops.fused_add_rms_norm(input, residual, weight, epsilon, gemma_style)
 
 
 @torch.library.register_fake("pagedkv::rms_norm")
@@ -43,6 +41,5 @@ def _rms_norm_fake(out, input, weight, epsilon, gemma_style=False) -> None:
 
 
 @torch.library.register_fake("pagedkv::fused_add_rms_norm")
-def _fused_add_rms_norm_fake(input, residual, weight, epsilon, gemma_style=False,
-                             input_weight=None) -> None:
+def _fused_add_rms_norm_fake(input, residual, weight, epsilon, gemma_style=False) -> None:
     return None
