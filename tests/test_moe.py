@@ -41,8 +41,9 @@ CASES = {
                                                 intermediate_size=192, norm_topk_prob=False)),
 }
 GREEDY = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-# The two ways of running the experts: the kernels (decode, CUDA graphs) and grouped by expert.
-PATHS = {"kernels": 10**9, "grouped": 0}
+# The ways of running the experts: the kernels (decode, CUDA graphs) and grouped by expert, with
+# torch's grouped GEMM or (where it does not run) one GEMM per hit expert.
+PATHS = {"kernels": 10**9, "grouped": 0, "grouped_per_expert": 0}
 
 
 def tiny(name: str, device: str = "cpu", seed: int = 0):
@@ -113,6 +114,63 @@ def test_moe_down_sum(device, dtype, num_tokens, experts_top_k, sizes, fp32_weig
                              reference=down_sum_reference(act.double(), down.double(), ids, weights.double()))
 
 
+def grouped_weights(num_experts, top_k, hidden, inter, dtype, device) -> moe.MoEWeights:
+    return moe.MoEWeights(
+        router=torch.randn(num_experts, hidden, dtype=dtype, device=device),
+        gate_up=torch.randn(num_experts, 2 * inter, hidden, dtype=dtype, device=device) / hidden ** 0.5,
+        down=torch.randn(num_experts, hidden, inter, dtype=dtype, device=device) / inter ** 0.5,
+        top_k=top_k, normalize=True, fp32_weights=False, shared_gate=None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 17, 64])
+@pytest.mark.parametrize("experts_top_k", EXPERTS_TOP_K)
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_grouped_experts(device, dtype, num_tokens, experts_top_k, per_expert, monkeypatch):
+    """Prefill's grouped experts (torch's grouped GEMM, or one GEMM per hit expert) against the
+    per-pair reference: each projection in the dtype, HF's activation rounding, weighted, summed."""
+    (num_experts, top_k), (hidden, inter) = experts_top_k, (64, 32)
+    w = grouped_weights(num_experts, top_k, hidden, inter, dtype, device)
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
+    ids = random_ids(num_tokens, num_experts, top_k, device)
+    weights = torch.rand(num_tokens, top_k, device=device).to(dtype)
+    if per_expert:
+        monkeypatch.setattr(moe, "grouped_mm_runs", lambda x, w: False)
+    out = moe._grouped_experts(x, w, ids, weights)
+
+    def reference(x, gate_up, down, weights):
+        return down_sum_reference(gate_up_reference(x, gate_up, ids), down, ids, weights)
+
+    assert_close_to_baseline(out, baseline=reference(x, w.gate_up, w.down, weights),
+                             reference=reference(x.double(), w.gate_up.double(), w.down.double(), weights.double()))
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch's grouped GEMM comes with torch 2.10")
+def test_grouped_experts_take_torch_grouped_gemm_where_it_runs():
+    cpu = grouped_weights(8, 2, 64, 32, torch.float32, "cpu")
+    assert moe.grouped_mm_runs(torch.randn(3, 64), cpu)
+    assert not moe.grouped_mm_runs(torch.randn(3, 65)[:, 1:], cpu)  # 4-byte aligned data
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch's grouped GEMM comes with torch 2.10")
+def test_grouped_experts_on_cuda_read_nothing_back():
+    """bf16 on the GPU: the grouped GEMM path, and no host synchronization on the way (the
+    per-expert form reads the counts back)."""
+    w = grouped_weights(16, 8, 64, 32, torch.bfloat16, "cuda")
+    x = torch.randn(64, 64, dtype=torch.bfloat16, device="cuda")
+    assert moe.grouped_mm_runs(x, w)
+    assert not moe.grouped_mm_runs(x.float(), grouped_weights(16, 8, 64, 32, torch.float32, "cuda"))
+    ids, weights = moe.route(x, w)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe._grouped_experts(x, w, ids, weights)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     x = torch.randn(3, 64, device=device)
@@ -141,6 +199,8 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("name", list(CASES))
 def test_generate_gives_hf_greedy_tokens(name, path, monkeypatch):
     monkeypatch.setattr(moe, "GROUPED_MIN_PAIRS", PATHS[path])
+    if path == "grouped_per_expert":
+        monkeypatch.setattr(moe, "grouped_mm_runs", lambda x, w: False)
     model = tiny(name)
     assert pagedkv.support_path(model) == "native", pagedkv.unsupported_reason(model)
     ids, mask = tp_worker.left_padded([5, 19], 256, "cpu", seed=1)

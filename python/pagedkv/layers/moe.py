@@ -8,8 +8,10 @@ rounding, and the router top-k's and the two expert ops' typed wrappers.
 
 Few tokens (decode steps, and any step inside CUDA-graph capture) run the expert kernels, which
 read only the chosen experts' rows and read the expert ids on the device; many tokens (prefill)
-group the tokens by expert on the host and run each hit expert once as a GEMM, as HF's
-grouped_mm experts forward (transformers' default `experts_implementation`) does.
+sort the (token, expert) pairs by expert and run each projection of every hit expert as one
+grouped GEMM (torch's grouped_mm: one launch, no host sync), as HF's grouped_mm experts forward
+(transformers' default `experts_implementation`) does. Where torch's grouped GEMM does not run
+(see grouped_mm_runs), each hit expert's GEMMs run one after another.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from pagedkv import ops
 
@@ -100,22 +103,47 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared_gate_up: torch.Tensor | None 
     return out
 
 
+def grouped_mm_runs(x: torch.Tensor, w: MoEWeights) -> bool:
+    """Whether torch's grouped GEMM (F.grouped_mm, torch >= 2.10) takes these operands: on CUDA
+    bf16 only, from compute capability 8.0, rows of 16-byte multiples; on the CPU any float dtype,
+    16-byte aligned data (torch 2.10's CPU kernel asks for it)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    tensors = (x, w.gate_up, w.down)
+    if any(t.data_ptr() % 16 for t in tensors):
+        return False
+    if x.is_cuda:
+        rows_aligned = all(t.shape[-1] % 8 == 0 for t in tensors)
+        return x.dtype == torch.bfloat16 and rows_aligned and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return x.device.type == "cpu"
+
+
 def _grouped_experts(x: torch.Tensor, w: MoEWeights, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """HF's grouped_mm experts forward: pairs sorted by expert, each hit expert's rows as one GEMM
-    (the counts read back to the host: not capturable), the weighted outputs summed per token."""
+    """HF's grouped_mm experts forward: the (token, expert) pairs sorted by expert, each projection
+    of every hit expert one grouped GEMM, HF's activation rounding between them, the weighted
+    outputs summed per token in fp32 and rounded. Device ops only where grouped_mm runs;
+    otherwise one GEMM per hit expert, the counts read back to the host (not capturable)."""
     num_tokens, top_k = ids.shape
+    num_experts = w.gate_up.shape[0]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T * k] pairs by expert
-    counts = torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()
-    tokens = order // top_k
-    y_sorted = x.new_empty(order.numel(), x.shape[1])  # [T * k, D]
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            rows = slice(start, start + count)
-            act = ops.gate_up_silu(x[tokens[rows]], w.gate_up[e])  # [count, I]
-            ops.linear(act, w.down[e], out=y_sorted[rows])
-            start += count
+    x_sorted = x[order // top_k]  # [T * k, D]
+    if grouped_mm_runs(x, w):
+        # ends[e]: one past expert e's last pair in the sorted order (grouped_mm's offs)
+        experts = torch.arange(num_experts, device=x.device, dtype=flat.dtype)
+        ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # [E]
+        gate_up = F.grouped_mm(x_sorted, w.gate_up.transpose(-2, -1), offs=ends)  # [T * k, 2 I]
+        y_sorted = F.grouped_mm(ops.silu_and_mul(gate_up), w.down.transpose(-2, -1), offs=ends)  # [T * k, D]
+    else:
+        counts = torch.bincount(flat, minlength=num_experts).tolist()
+        y_sorted = x.new_empty(order.numel(), x.shape[1])  # [T * k, D]
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                act = ops.gate_up_silu(x_sorted[rows], w.gate_up[e])  # [count, I]
+                ops.linear(act, w.down[e], out=y_sorted[rows])
+                start += count
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
     weighted = y.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)  # fp32 (Mixtral) or the dtype
