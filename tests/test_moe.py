@@ -150,7 +150,8 @@ def test_grouped_experts(device, dtype, num_tokens, experts_top_k, per_expert, m
 def test_grouped_experts_take_torch_grouped_gemm_where_it_runs():
     cpu = grouped_weights(8, 2, 64, 32, torch.float32, "cpu")
     assert moe.grouped_mm_runs(torch.randn(3, 64), cpu)
-    assert not moe.grouped_mm_runs(torch.randn(3, 65)[:, 1:], cpu)  # 4-byte aligned data
+    cpu.down = torch.randn(8 * 64 * 32 + 1)[1:].view(8, 64, 32)  # 4-byte aligned data
+    assert not moe.grouped_mm_runs(torch.randn(3, 64), cpu)
 
 
 @pytest.mark.cuda

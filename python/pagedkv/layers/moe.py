@@ -104,16 +104,14 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared_gate_up: torch.Tensor | None 
 
 
 def grouped_mm_runs(x: torch.Tensor, w: MoEWeights) -> bool:
-    """Whether torch's grouped GEMM (F.grouped_mm, torch >= 2.10) takes these operands: on CUDA
-    bf16 only, from compute capability 8.0, rows of 16-byte multiples; on the CPU any float dtype,
-    16-byte aligned data (torch 2.10's CPU kernel asks for it)."""
-    if not hasattr(F, "grouped_mm"):
-        return False
-    tensors = (x, w.gate_up, w.down)
-    if any(t.data_ptr() % 16 for t in tensors):
+    """Whether torch's grouped GEMM (F.grouped_mm, torch >= 2.10) takes the experts of `w` for
+    activations like x: on CUDA bf16 only, from compute capability 8.0, rows of 16-byte
+    multiples; on the CPU any float dtype. Both want 16-byte aligned weights (torch 2.10's CPU
+    kernel asks for it; the activations it gets are fresh tensors)."""
+    if not hasattr(F, "grouped_mm") or w.gate_up.data_ptr() % 16 or w.down.data_ptr() % 16:
         return False
     if x.is_cuda:
-        rows_aligned = all(t.shape[-1] % 8 == 0 for t in tensors)
+        rows_aligned = w.gate_up.shape[-1] % 8 == 0 and w.down.shape[-1] % 8 == 0
         return x.dtype == torch.bfloat16 and rows_aligned and torch.cuda.get_device_capability(x.device) >= (8, 0)
     return x.device.type == "cpu"
 
