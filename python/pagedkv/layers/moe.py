@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
+from pagedkv.layers.moe_fp8 import Fp8Experts, fp8_experts_mlp
 
 _ops = torch.ops.pagedkv
 # Above this many (token, expert) pairs outside graph capture, group by expert (one GEMM per hit
@@ -43,8 +44,10 @@ class MoEWeights:
     """One MoE layer's weights, HF's own tensors as stored (no copy)."""
 
     router: torch.Tensor  # [E, D]
-    gate_up: torch.Tensor  # [E, 2 * I, D]: each expert's gate rows, then its up rows
-    down: torch.Tensor  # [E, D, I]
+    # [E, 2 * I, D]: each expert's gate rows, then its up rows; or a quantized checkpoint's FP8
+    # experts (layers/moe_fp8.py): (gate [E, I, D], up [E, I, D])
+    gate_up: torch.Tensor | tuple[Fp8Experts, Fp8Experts]
+    down: torch.Tensor | Fp8Experts  # [E, D, I]
     top_k: int
     normalize: bool  # renormalise the top-k probabilities to sum to 1
     fp32_weights: bool  # the top-k weights stay fp32 (Mixtral), else the model dtype
@@ -69,7 +72,9 @@ def moe_weights(mlp: torch.nn.Module, model_type: str) -> MoEWeights | None:
 
 def moe_weight_tensors(w: MoEWeights) -> list[torch.Tensor]:
     """The tensors of `w` (for counting weight bytes)."""
-    return [t for t in (w.router, w.gate_up, w.down, w.shared_gate) if t is not None]
+    experts = [*w.gate_up, w.down] if isinstance(w.down, Fp8Experts) else [w.gate_up, w.down]
+    tensors = [t for e in experts for t in (e.tensors() if isinstance(e, Fp8Experts) else [e])]
+    return [t for t in (w.router, *tensors, w.shared_gate) if t is not None]
 
 
 def route(x: torch.Tensor, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,19 +91,21 @@ def route(x: torch.Tensor, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, top if w.fp32_weights else top.to(x.dtype)
 
 
-def moe_mlp(x: torch.Tensor, w: MoEWeights, shared_gate_up: torch.Tensor | None = None,
-            shared_down: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE MLP of x [T, D] -> [T, D], x's dtype. shared_gate_up [2 * Is, D] and shared_down
-    [D, Is]: a shared expert (Qwen2-MoE), gated by w.shared_gate."""
+def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE MLP of x [T, D] -> [T, D], x's dtype. shared [T, D]: a shared expert's output for x
+    (Qwen2-MoE; the caller runs it, in whatever form its weights are held), gated by
+    w.shared_gate."""
     ids, weights = route(x, w)
     pairs = ids.numel()
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if pairs < GROUPED_MIN_PAIRS or capturing:
+    if isinstance(w.down, Fp8Experts):
+        out = fp8_experts_mlp(x, *w.gate_up, w.down, ids, weights,
+                              grouped=pairs >= GROUPED_MIN_PAIRS and not capturing)
+    elif pairs < GROUPED_MIN_PAIRS or capturing:
         out = moe_down_sum(moe_gate_up_silu(x, w.gate_up, ids), w.down, ids, weights)
     else:
         out = _grouped_experts(x, w, ids, weights)
-    if shared_gate_up is not None:
-        shared = ops.linear(ops.gate_up_silu(x, shared_gate_up), shared_down)
+    if shared is not None:
         out = out + torch.sigmoid(ops.linear(x, w.shared_gate)) * shared
     return out
 

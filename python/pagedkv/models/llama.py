@@ -210,7 +210,9 @@ class PagedDecoder:
             hidden = apply_linear(attn.view(num_tokens, q_size), layer.o, layer.o_bias)
             self._add_norm(hidden, residual, layer.post_norm)
             if layer.moe is not None:
-                hidden = moe_mlp(hidden, layer.moe, layer.gate_up, layer.down)  # [T, D]
+                shared = None if layer.gate_up is None else apply_linear(apply_gate_up_silu(hidden, layer.gate_up),
+                                                                         layer.down)  # Qwen2-MoE's shared expert
+                hidden = moe_mlp(hidden, layer.moe, shared)  # [T, D]
             else:
                 act = apply_gate_up_silu(hidden, layer.gate_up)  # [T, I]
                 hidden = apply_linear(act, layer.down)

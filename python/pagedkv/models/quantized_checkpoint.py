@@ -13,6 +13,8 @@ and LM head (unquantized in these checkpoints) are cast to the activations' dtyp
 linear a checkpoint left unquantized (modules_to_not_convert, ignore, llm_int8_skip_modules):
 one without its format's quantized tensors.
 
+A mixture-of-experts layer's experts are read by models/quantized_moe.py (FP8 only).
+
 QKV and gate/up are one weight each when their parts allow it (int4: the same group size and,
 with desc_act, the same column order, as GPTQ sorts q, k, v by the same input's statistics;
 FP8: the same scale columns and no scale block across two parts; NF4: the same blocks); else
@@ -25,7 +27,9 @@ import dataclasses
 
 import torch
 
+from pagedkv.layers.moe import moe_weights
 from pagedkv.models.llama import DecoderWeights, LayerWeights
+from pagedkv.models.quantized_moe import read_moe
 from pagedkv.models.windows import layer_windows
 from pagedkv.quant.dispatch import LinearWeight
 from pagedkv.quant.formats import QuantFormat, quant_format
@@ -61,14 +65,21 @@ def read_quantized(model, reader, fmt: QuantFormat, device: torch.device, dtype:
                              f"the config makes it {list(param.shape)}")
         return reader.read(name).to(device=device, dtype=dtype).contiguous()
 
-    def linear(prefix: str) -> Quantized | torch.Tensor:
+    def linear(prefix: str, expert: bool = False) -> Quantized | torch.Tensor:
+        """expert: one expert's projection, checked against the skeleton by models/quantized_moe.py."""
         marker = f"{prefix}.{MARKERS[fmt.name]}"
         if marker not in reader.files:  # left unquantized
+            if expert:
+                if f"{prefix}.weight" not in reader.files:
+                    raise ValueError(f"pagedkv: the checkpoint has no {prefix!r} (an expert's projection)")
+                return reader.read(f"{prefix}.weight")
             return dense(f"{prefix}.weight")
         try:
             w = _read_linear(reader, prefix, fmt)
         except ValueError as error:
             raise ValueError(f"pagedkv: {prefix} in {reader.where(marker)}: {error}") from None
+        if expert:
+            return w
         want = tuple(params[f"{prefix}.weight"].shape)
         got = tuple((w.weight if isinstance(w, Fp8Weight) else w.q).shape)
         if got != want:
@@ -93,12 +104,20 @@ def read_quantized(model, reader, fmt: QuantFormat, device: torch.device, dtype:
     for i in range(len(inner.layers)):
         at = f"model.layers.{i}"
         qkv = [f"{at}.self_attn.{n}_proj" for n in "qkv"]
+        moe = moe_weights(inner.layers[i].mlp, config.model_type)  # the skeleton's routing settings
+        # A MoE layer's dense MLP is its shared expert (Qwen2-MoE), if it has one.
+        mlp = f"{at}.mlp" if moe is None else f"{at}.mlp.shared_expert"
+        dense_mlp = moe is None or moe.shared_gate is not None
+        if moe is not None:
+            moe = read_moe(moe, reader, at, config.model_type, lambda prefix: linear(prefix, expert=True), device,
+                           dtype)
         layers.append(LayerWeights(
             input_norm=dense(f"{at}.input_layernorm.weight"), qkv=fused(qkv), qkv_bias=bias(qkv),
             q_norm=dense(f"{at}.self_attn.q_norm.weight"), k_norm=dense(f"{at}.self_attn.k_norm.weight"),
             o=fused([f"{at}.self_attn.o_proj"]), o_bias=bias([f"{at}.self_attn.o_proj"]),
             post_norm=dense(f"{at}.post_attention_layernorm.weight"),
-            gate_up=fused([f"{at}.mlp.gate_proj", f"{at}.mlp.up_proj"]), down=fused([f"{at}.mlp.down_proj"]),
+            gate_up=fused([f"{mlp}.gate_proj", f"{mlp}.up_proj"]) if dense_mlp else None,
+            down=fused([f"{mlp}.down_proj"]) if dense_mlp else None, moe=moe,
         ))
     embed = dense("model.embed_tokens.weight")
     attn0 = inner.layers[0].self_attn

@@ -1,0 +1,73 @@
+"""A quantized checkpoint's mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral) read
+into MoEWeights: the router as stored (checkpoints leave it unquantized), each expert's gate, up
+and down projections read through their format's reader and stacked over the experts as
+layers/moe_fp8.py's Fp8Experts (FP8 formats: FineGrainedFP8, compressed-tensors). Checkpoints
+store the experts one by one under their family's names:
+
+    Qwen2-MoE, Qwen3-MoE, OLMoE   mlp.gate, mlp.experts.{e}.{gate,up,down}_proj
+    Mixtral                       block_sparse_moe.gate, block_sparse_moe.experts.{e}.{w1,w3,w2}
+                                  (w1 the gate, w3 the up, w2 the down projection)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedkv.layers.moe import MoEWeights
+from pagedkv.layers.moe_fp8 import Fp8Experts, stack_experts
+from pagedkv.quant.fp8 import Fp8Weight
+
+# model_type -> (the MoE block's name in a layer, the expert projections' names: gate, up, down)
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+DEFAULT_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+def read_moe(skeleton: MoEWeights, reader, layer: str, model_type: str, read_linear, device: torch.device,
+             dtype: torch.dtype) -> MoEWeights:
+    """The MoE weights of checkpoint layer `layer` ("model.layers.{i}") for the skeleton's MoEWeights
+    (moe_weights() of the HF skeleton: its routing settings, its meta tensors' shapes). read_linear
+    (prefix) -> the projection's quantized canonical form (models/quantized_checkpoint.py).
+    ValueError naming a missing, misshapen or unquantized tensor."""
+    block, (gate_name, up_name, down_name) = EXPERT_NAMES.get(model_type, DEFAULT_NAMES)
+    router_name = f"{layer}.{block}.gate.weight"
+    if router_name not in reader.files:
+        raise ValueError(f"pagedkv: the checkpoint has no {router_name!r} (the layer's router)")
+    if reader.shape(router_name) != tuple(skeleton.router.shape):
+        raise ValueError(f"pagedkv: tensor {router_name!r} in {reader.where(router_name)} has shape "
+                         f"{list(reader.shape(router_name))}; the config makes it {list(skeleton.router.shape)}")
+    router = reader.read(router_name).to(device=device, dtype=dtype).contiguous()
+    num_experts, two_inter, hidden = skeleton.gate_up.shape
+    inter = two_inter // 2
+
+    def experts(name: str, shape: tuple[int, int]) -> Fp8Experts:
+        found = []
+        for e in range(num_experts):
+            prefix = f"{layer}.{block}.experts.{e}.{name}"
+            w = read_linear(prefix)
+            if not isinstance(w, Fp8Weight):
+                form = "unquantized" if isinstance(w, torch.Tensor) else f"as {type(w).__name__}"
+                raise ValueError(f"pagedkv: {prefix} is stored {form}; quantized experts are read in FP8 only")
+            if tuple(w.weight.shape) != shape:
+                raise ValueError(f"pagedkv: {prefix}'s quantized tensors hold a {list(w.weight.shape)} weight; the "
+                                 f"config makes it {list(shape)}")
+            found.append(w)
+        blocks = {w.block for w in found}
+        if len(blocks) > 1:
+            raise ValueError(f"pagedkv: the experts of {layer}.{block} ({name}) have scale blocks {sorted(blocks)}; "
+                             "one layer's must share one")
+        stacked = stack_experts([w.weight for w in found], [w.scales for w in found], found[0].block,
+                                f"{layer}.{block}.experts.*.{name}")
+        return Fp8Experts(stacked.weight.to(device), stacked.scales.to(device), stacked.block)
+
+    gate = experts(gate_name, (inter, hidden))
+    up = experts(up_name, (inter, hidden))
+    down = experts(down_name, (hidden, inter))
+    shared_gate = None
+    if skeleton.shared_gate is not None:  # Qwen2-MoE's sigmoid gate of its shared expert
+        name = f"{layer}.{block}.shared_expert_gate.weight"
+        if name not in reader.files:
+            raise ValueError(f"pagedkv: the checkpoint has no {name!r} (the shared expert's gate)")
+        shared_gate = reader.read(name).to(device=device, dtype=dtype).reshape(skeleton.shared_gate.shape).contiguous()
+    return dataclasses.replace(skeleton, router=router, gate_up=(gate, up), down=down, shared_gate=shared_gate)

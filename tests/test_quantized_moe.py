@@ -1,0 +1,168 @@
+"""pagedkv.from_pretrained_quantized on FP8 checkpoints of mixture-of-experts models (Qwen3-MoE with a
+dense layer between MoE ones, Qwen2-MoE with its shared expert, Mixtral's own names, OLMoE's 64
+experts):
+tiny random models written in the exact on-disk layout (the experts one by one, as transformers'
+save_pretrained and the "-FP8" releases store them; FineGrainedFP8 block and per-tensor scales,
+compressed-tensors per channel). pagedkv's greedy tokens equal HF's on the same model holding the
+DEQUANTIZED weights, on both of the experts' paths (a step's pairs gathered, or each hit expert
+once), through generate and LLM; transformers loading the same FineGrainedFP8 folder (it
+dequantizes on a machine without a GPU) gives them too; int4 MoE checkpoints are refused naming
+the formats that run."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import pagedkv
+from fp8_formats import compressed_tensors_dequantize, finegrained_dequantize, to_compressed_tensors
+from pagedkv.layers import moe
+from pagedkv.layers.moe_fp8 import Fp8Experts
+from pagedkv.models.registry import UnsupportedModel
+from pagedkv.runtime.model import weight_bytes
+from pagedkv.tools.quant_writers import ct_config, to_finegrained
+from test_engine import random_prompts
+from test_moe import CASES as MOE_CASES, tiny
+from test_quantized_checkpoints import assert_cuda_generate_matches, assert_llm_matches
+
+GREEDY = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+# The projections a checkpoint quantizes: attention, experts (and Mixtral's w1/w2/w3), dense MLPs.
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+FINEGRAINED = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+# id -> (the tiny model, quantization_config, the scales: a FineGrainedFP8 block (None: per tensor)
+# or "channel" (compressed-tensors))
+FORMATS = {
+    "fp8-block32x64-qwen3_moe": ("qwen3_moe", {**FINEGRAINED, "weight_block_size": [32, 64]}, (32, 64)),
+    "fp8-block128-qwen2_moe": ("qwen2_moe", {**FINEGRAINED, "weight_block_size": [128, 128]}, (128, 128)),
+    "fp8-per-tensor-mixtral": ("mixtral", {**FINEGRAINED, "weight_block_size": None}, None),
+    "ct-fp8-channel-qwen3_moe": ("qwen3_moe", ct_config("float-quantized", {
+        "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}), "channel"),
+    # 64 experts of width 64, top-8, q/k norms over all heads
+    "fp8-block64-olmoe": ("olmoe", {**FINEGRAINED, "weight_block_size": [64, 64]}, (64, 64)),
+}
+
+
+def olmoe():
+    from test_olmo3_olmoe import tiny as tiny_olmoe
+    return tiny_olmoe("olmoe")
+
+
+def write_checkpoint(folder: pathlib.Path, case: str) -> torch.nn.Module:
+    """The tiny MoE model of `case` written to `folder` in its format (the projections quantized,
+    the rest in bfloat16). Returns a plain HF model in fp32 holding the dequantized weights and
+    the bfloat16-rounded rest (HF's own loading of a folder of them)."""
+    name, quant, scheme = FORMATS[case]
+    model = olmoe() if name == "olmoe" else tiny(name)
+    dense_folder = folder / "dequantized"
+    model.save_pretrained(dense_folder)  # the on-disk names: the experts one by one
+    with safe_open(str(dense_folder / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    tensors, dequantized = {}, {}
+    for key, value in stored.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in QUANTIZED and value.dim() == 2:
+            if scheme == "channel":
+                parts = to_compressed_tensors(value, "channel")
+                dequantized[key] = compressed_tensors_dequantize(**parts)
+            else:
+                parts = to_finegrained(value, scheme)
+                dequantized[key] = finegrained_dequantize(**parts, block=scheme)
+            tensors.update({f"{module}.{k}": v for k, v in parts.items()})
+        else:
+            tensors[key] = value.to(torch.bfloat16)
+            dequantized[key] = tensors[key].float()
+    save_file(tensors, folder / "model.safetensors")
+    save_file(dequantized, dense_folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dense_folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    model.generation_config.save_pretrained(folder)
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(dense_folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("path", ["pairs gathered", "each expert once"])
+@pytest.mark.parametrize("case", list(FORMATS))
+def test_generate_matches_hf_on_the_dequantized_model(tmp_path, case, path, monkeypatch):
+    monkeypatch.setattr(moe, "GROUPED_MIN_PAIRS", 10**9 if path == "pairs gathered" else 0)
+    reference = write_checkpoint(tmp_path, case)
+    model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+    layers = model._pagedkv_model.weights.layers
+    experts = [layer.moe for layer in layers if layer.moe is not None]
+    assert experts and all(isinstance(m.down, Fp8Experts) and all(isinstance(g, Fp8Experts) for g in m.gate_up)
+                           for m in experts)
+    assert all(e.down.weight.dtype == torch.float8_e4m3fn for e in experts)  # never dequantized
+    ids = torch.tensor(random_prompts([9, 9], seed=3))
+    assert torch.equal(pagedkv.generate(model, ids, **GREEDY), reference.generate(ids, **GREEDY))
+
+
+def test_weight_bytes_count_the_fp8_experts(tmp_path):
+    """The bytes pagedkv holds: each stored e4m3 weight a byte a value, every other tensor (scales
+    included) in the fp32 it runs in; nothing dequantized."""
+    write_checkpoint(tmp_path, "fp8-block32x64-qwen3_moe")
+    model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        stored = [f.get_tensor(k) for k in f.keys()]
+    expected = sum(t.numel() * (1 if t.dtype == torch.float8_e4m3fn else 4) for t in stored)
+    assert weight_bytes(model._pagedkv_model.weights) == expected
+
+
+@pytest.mark.parametrize("case", ["fp8-block128-qwen2_moe", "fp8-per-tensor-mixtral"])
+def test_llm_matches_hf(tmp_path, case):
+    reference = write_checkpoint(tmp_path, case)
+    model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+    assert_llm_matches(model, reference)
+
+
+@pytest.mark.parametrize("case", ["fp8-block64-olmoe", "fp8-per-tensor-mixtral"])
+def test_matches_transformers_loading_the_same_folder(tmp_path, case):
+    """transformers reads the FineGrainedFP8 folder itself (dequantizing it: no GPU here). Its CPU
+    dequantization takes whole blocks only, so not the 32x64 blocks' partial edges of qwen3_moe's
+    [256, 96] down projections."""
+    from transformers import AutoModelForCausalLM
+
+    if torch.cuda.is_available():
+        pytest.skip("transformers dequantizes FP8 only where no GPU is present")
+    write_checkpoint(tmp_path, case)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+    ids = torch.tensor(random_prompts([7, 7], seed=6))
+    assert torch.equal(pagedkv.generate(model, ids, **GREEDY), hf.generate(ids, **GREEDY))
+
+
+def test_int4_experts_are_refused_naming_the_formats(tmp_path):
+    write_checkpoint(tmp_path, "fp8-block32x64-qwen3_moe")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+                                     "version": "gemm"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match=r"experts are read in FP8 formats only .*this checkpoint is awq"):
+        pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+
+
+def test_an_unquantized_expert_is_named(tmp_path):
+    write_checkpoint(tmp_path, "fp8-block32x64-qwen3_moe")
+    path = tmp_path / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    prefix = "model.layers.0.mlp.experts.3.up_proj"
+    tensors[f"{prefix}.weight"] = torch.randn(MOE_CASES["qwen3_moe"][1]["moe_intermediate_size"], 256)
+    del tensors[f"{prefix}.weight_scale_inv"]
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=rf"{prefix} is stored unquantized; quantized experts are read in FP8"):
+        pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["fp8-block128-qwen2_moe", "fp8-block32x64-qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_hf(tmp_path, case, dtype):
+    """On the GPU the decode steps (the pairs' experts gathered and dequantized: device ops only)
+    replay as CUDA graphs."""
+    reference = write_checkpoint(tmp_path, case).to(device="cuda", dtype=dtype)
+    model = pagedkv.from_pretrained_quantized(tmp_path, dtype=dtype, device="cuda")
+    assert_cuda_generate_matches(model, reference, dtype)
