@@ -85,6 +85,21 @@ def write_checkpoint(folder: pathlib.Path, case: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(dense_folder, dtype=torch.float32).eval()
 
 
+@pytest.mark.parametrize("block", [(32, 64), (128, 128), (1, 256), (96, 256), (20, 48)])
+def test_dequantize_experts_is_each_experts_own_dequantization(block):
+    """Whole blocks (broadcast) and partial edge blocks (expanded) alike: expert e's weight as
+    quant.fp8 dequantizes it, in the order of the ids asked for (repeats included)."""
+    from pagedkv.layers.moe_fp8 import dequantize_experts
+    from pagedkv.quant.fp8 import dequantize_fp8, from_finegrained_fp8
+
+    experts = [from_finegrained_fp8(**to_finegrained(torch.randn(96, 256), block), block_size=block)
+               for _ in range(4)]
+    stacked = Fp8Experts(torch.stack([e.weight for e in experts]), torch.stack([e.scales for e in experts]), block)
+    ids = torch.tensor([2, 0, 2, 3])
+    got = dequantize_experts(stacked, ids, torch.float32)
+    assert torch.equal(got, torch.stack([dequantize_fp8(experts[e]) for e in ids.tolist()]))
+
+
 @pytest.mark.parametrize("path", ["pairs gathered", "each expert once"])
 @pytest.mark.parametrize("case", list(FORMATS))
 def test_generate_matches_hf_on_the_dequantized_model(tmp_path, case, path, monkeypatch):

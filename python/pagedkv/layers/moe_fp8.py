@@ -50,9 +50,12 @@ def dequantize_experts(w: Fp8Experts, experts: torch.Tensor, dtype: torch.dtype)
     """The weights [P, R, C] of experts [P] (int64, on w's device) in fp32 (one rounding per value,
     as the formats dequantize), then cast to dtype."""
     rows, cols = w.weight.shape[1:]
-    scales = w.scales[experts].repeat_interleave(w.block[0], 1)[:, :rows]  # [P, R, ceil(C / bk)]
-    scales = scales.repeat_interleave(w.block[1], 2)[:, :, :cols]  # [P, R, C]
-    return (w.weight[experts].float() * scales).to(dtype)
+    (bn, bk), q, scales = w.block, w.weight[experts].float(), w.scales[experts]  # [P, R, C], [P, gR, gC]
+    if rows % bn == 0 and cols % bk == 0:  # whole blocks: each scale broadcast over its block
+        blocks = q.view(-1, rows // bn, bn, cols // bk, bk) * scales[:, :, None, :, None]
+        return blocks.view(-1, rows, cols).to(dtype)
+    scales = scales.repeat_interleave(bn, 1)[:, :rows].repeat_interleave(bk, 2)[:, :, :cols]  # [P, R, C]
+    return (q * scales).to(dtype)
 
 
 def fp8_experts_mlp(x: torch.Tensor, gate: Fp8Experts, up: Fp8Experts, down: Fp8Experts, ids: torch.Tensor,
