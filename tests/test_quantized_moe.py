@@ -1,12 +1,12 @@
-"""pagedkv.from_pretrained_quantized on FP8 checkpoints of mixture-of-experts models (Qwen3-MoE with a
+"""pagedkv.from_pretrained_quantized on FP8 and int4 checkpoints of mixture-of-experts models (Qwen3-MoE with a
 dense layer between MoE ones, Qwen2-MoE with its shared expert, Mixtral's own names, OLMoE's 64
 experts):
 tiny random models written in the exact on-disk layout (the experts one by one, as transformers'
-save_pretrained and the "-FP8" releases store them; FineGrainedFP8 block and per-tensor scales,
-compressed-tensors per channel). pagedkv's greedy tokens equal HF's on the same model holding the
+save_pretrained and the "-FP8" / AWQ / GPTQ releases store them; FineGrainedFP8 block and
+per-tensor scales, compressed-tensors per channel, AWQ, GPTQ with desc_act). pagedkv's greedy tokens equal HF's on the same model holding the
 DEQUANTIZED weights, on both of the experts' paths (a step's pairs gathered, or each hit expert
 once), through generate and LLM; transformers loading the same FineGrainedFP8 folder (it
-dequantizes on a machine without a GPU) gives them too; int4 MoE checkpoints are refused naming
+dequantizes on a machine without a GPU) gives them too; NF4 MoE checkpoints are refused naming
 the formats that run."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from safetensors.torch import save_file
 
 import pagedkv
 from fp8_formats import compressed_tensors_dequantize, finegrained_dequantize, to_compressed_tensors
+from int4_formats import awq_dequantize, gptq_dequantize, quantize, to_awq, to_gptq
 from pagedkv.layers import moe
-from pagedkv.layers.moe_fp8 import Fp8Experts
+from pagedkv.layers.moe_quantized import Fp8Experts, Int4Experts
 from pagedkv.models.registry import UnsupportedModel
 from pagedkv.runtime.model import weight_bytes
 from pagedkv.tools.quant_writers import ct_config, to_finegrained
@@ -44,7 +45,13 @@ FORMATS = {
         "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}), "channel"),
     # 64 experts of width 64, top-8, q/k norms over all heads
     "fp8-block64-olmoe": ("olmoe", {**FINEGRAINED, "weight_block_size": [64, 64]}, (64, 64)),
+    "awq-g32-qwen2_moe": ("qwen2_moe", {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                        "version": "gemm"}, "awq"),
+    # each projection its own random column order (desc_act), the historical zero offset
+    "gptq-desc_act-qwen3_moe": ("qwen3_moe", {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                              "desc_act": True, "sym": False}, "gptq"),
 }
+FORMS = {"awq": Int4Experts, "gptq": Int4Experts}  # the held form of a case's experts (else Fp8Experts)
 
 
 def olmoe():
@@ -66,7 +73,13 @@ def write_checkpoint(folder: pathlib.Path, case: str) -> torch.nn.Module:
     for key, value in stored.items():
         module, _, leaf = key.rpartition(".")
         if leaf == "weight" and module.rpartition(".")[2] in QUANTIZED and value.dim() == 2:
-            if scheme == "channel":
+            if scheme == "awq":
+                parts = to_awq(*quantize(value, 32))
+                dequantized[key] = awq_dequantize(**parts, group_size=32)
+            elif scheme == "gptq":
+                parts = to_gptq(value, 32, zero_offset=True, desc_act=True)
+                dequantized[key] = gptq_dequantize(**parts, zero_offset=True)
+            elif scheme == "channel":
                 parts = to_compressed_tensors(value, "channel")
                 dequantized[key] = compressed_tensors_dequantize(**parts)
             else:
@@ -77,7 +90,8 @@ def write_checkpoint(folder: pathlib.Path, case: str) -> torch.nn.Module:
             tensors[key] = value.to(torch.bfloat16)
             dequantized[key] = tensors[key].float()
     save_file(tensors, folder / "model.safetensors")
-    save_file(dequantized, dense_folder / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, dense_folder / "model.safetensors",
+              metadata={"format": "pt"})
     config = json.loads((dense_folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     model.generation_config.save_pretrained(folder)
@@ -89,7 +103,7 @@ def write_checkpoint(folder: pathlib.Path, case: str) -> torch.nn.Module:
 def test_dequantize_experts_is_each_experts_own_dequantization(block):
     """Whole blocks (broadcast) and partial edge blocks (expanded) alike: expert e's weight as
     quant.fp8 dequantizes it, in the order of the ids asked for (repeats included)."""
-    from pagedkv.layers.moe_fp8 import dequantize_experts
+    from pagedkv.layers.moe_quantized import dequantize_experts
     from pagedkv.quant.fp8 import dequantize_fp8, from_finegrained_fp8
 
     experts = [from_finegrained_fp8(**to_finegrained(torch.randn(96, 256), block), block_size=block)
@@ -100,6 +114,23 @@ def test_dequantize_experts_is_each_experts_own_dequantization(block):
     assert torch.equal(got, torch.stack([dequantize_fp8(experts[e]) for e in ids.tolist()]))
 
 
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_dequantize_int4_experts_is_each_experts_own_dequantization(desc_act):
+    """Packed two values a byte, each expert its own column order (GPTQ desc_act) or none."""
+    from pagedkv.layers.moe_quantized import dequantize_experts, pack_int4_experts
+    from pagedkv.quant.int4 import dequantize, from_gptq
+
+    orders = [desc_act, desc_act, False, desc_act]  # with desc_act, one expert without a column order
+    experts = [from_gptq(**to_gptq(torch.randn(96, 256), 32, zero_offset=False, desc_act=order), group_size=32,
+                         zero_offset=False) for order in orders]
+    assert [e.perm is not None for e in experts] == orders
+    stacked = pack_int4_experts([e.q for e in experts], [e.scales for e in experts], [e.zeros for e in experts], 32,
+                                [e.perm for e in experts], "test")
+    ids = torch.tensor([2, 0, 2, 3, 1])
+    got = dequantize_experts(stacked, ids, torch.float32)
+    assert torch.equal(got, torch.stack([dequantize(experts[e]) for e in ids.tolist()]))
+
+
 @pytest.mark.parametrize("path", ["pairs gathered", "each expert once"])
 @pytest.mark.parametrize("case", list(FORMATS))
 def test_generate_matches_hf_on_the_dequantized_model(tmp_path, case, path, monkeypatch):
@@ -108,9 +139,10 @@ def test_generate_matches_hf_on_the_dequantized_model(tmp_path, case, path, monk
     model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
     layers = model._pagedkv_model.weights.layers
     experts = [layer.moe for layer in layers if layer.moe is not None]
-    assert experts and all(isinstance(m.down, Fp8Experts) and all(isinstance(g, Fp8Experts) for g in m.gate_up)
-                           for m in experts)
-    assert all(e.down.weight.dtype == torch.float8_e4m3fn for e in experts)  # never dequantized
+    form = FORMS.get(case.split("-")[0], Fp8Experts)
+    assert experts and all(isinstance(m.down, form) and all(isinstance(g, form) for g in m.gate_up) for m in experts)
+    held = [m.down.weight if form is Fp8Experts else m.down.packed for m in experts]
+    assert all(t.dtype in (torch.float8_e4m3fn, torch.uint8) for t in held)  # never dequantized
     ids = torch.tensor(random_prompts([9, 9], seed=3))
     assert torch.equal(pagedkv.generate(model, ids, **GREEDY), reference.generate(ids, **GREEDY))
 
@@ -149,13 +181,13 @@ def test_matches_transformers_loading_the_same_folder(tmp_path, case):
     assert torch.equal(pagedkv.generate(model, ids, **GREEDY), hf.generate(ids, **GREEDY))
 
 
-def test_int4_experts_are_refused_naming_the_formats(tmp_path):
+def test_nf4_experts_are_refused_naming_the_formats(tmp_path):
     write_checkpoint(tmp_path, "fp8-block32x64-qwen3_moe")
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
-                                     "version": "gemm"}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                     "bnb_4bit_quant_type": "nf4"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match=r"experts are read in FP8 formats only .*this checkpoint is awq"):
+    with pytest.raises(UnsupportedModel, match=r"experts are read in fp8, .*awq, gptq.*this checkpoint is bitsandbytes"):
         pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
 
 
@@ -168,7 +200,7 @@ def test_an_unquantized_expert_is_named(tmp_path):
     tensors[f"{prefix}.weight"] = torch.randn(MOE_CASES["qwen3_moe"][1]["moe_intermediate_size"], 256)
     del tensors[f"{prefix}.weight_scale_inv"]
     save_file(tensors, path)
-    with pytest.raises(ValueError, match=rf"{prefix} is stored unquantized; quantized experts are read in FP8"):
+    with pytest.raises(ValueError, match=rf"{prefix} is stored unquantized; quantized experts are read in FP8 or int4"):
         pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
 
 

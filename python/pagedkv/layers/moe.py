@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.moe_fp8 import Fp8Experts, fp8_experts_mlp
+from pagedkv.layers.moe_quantized import QuantizedExperts, quantized_experts_mlp
 
 _ops = torch.ops.pagedkv
 # Above this many (token, expert) pairs outside graph capture, group by expert (one GEMM per hit
@@ -44,10 +44,10 @@ class MoEWeights:
     """One MoE layer's weights, HF's own tensors as stored (no copy)."""
 
     router: torch.Tensor  # [E, D]
-    # [E, 2 * I, D]: each expert's gate rows, then its up rows; or a quantized checkpoint's FP8
-    # experts (layers/moe_fp8.py): (gate [E, I, D], up [E, I, D])
-    gate_up: torch.Tensor | tuple[Fp8Experts, Fp8Experts]
-    down: torch.Tensor | Fp8Experts  # [E, D, I]
+    # [E, 2 * I, D]: each expert's gate rows, then its up rows; or a quantized checkpoint's
+    # experts (layers/moe_quantized.py): (gate [E, I, D], up [E, I, D])
+    gate_up: torch.Tensor | tuple[QuantizedExperts, QuantizedExperts]
+    down: torch.Tensor | QuantizedExperts  # [E, D, I]
     top_k: int
     normalize: bool  # renormalise the top-k probabilities to sum to 1
     fp32_weights: bool  # the top-k weights stay fp32 (Mixtral), else the model dtype
@@ -72,9 +72,11 @@ def moe_weights(mlp: torch.nn.Module, model_type: str) -> MoEWeights | None:
 
 def moe_weight_tensors(w: MoEWeights) -> list[torch.Tensor]:
     """The tensors of `w` (for counting weight bytes)."""
-    experts = [*w.gate_up, w.down] if isinstance(w.down, Fp8Experts) else [w.gate_up, w.down]
-    tensors = [t for e in experts for t in (e.tensors() if isinstance(e, Fp8Experts) else [e])]
-    return [t for t in (w.router, *tensors, w.shared_gate) if t is not None]
+    if isinstance(w.down, torch.Tensor):
+        experts = [w.gate_up, w.down]
+    else:  # quantized: each projection's packed tensors
+        experts = [t for e in (*w.gate_up, w.down) for t in e.tensors()]
+    return [t for t in (w.router, *experts, w.shared_gate) if t is not None]
 
 
 def route(x: torch.Tensor, w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +100,9 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) 
     ids, weights = route(x, w)
     pairs = ids.numel()
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if isinstance(w.down, Fp8Experts):
-        out = fp8_experts_mlp(x, *w.gate_up, w.down, ids, weights,
-                              grouped=pairs >= GROUPED_MIN_PAIRS and not capturing)
+    if not isinstance(w.down, torch.Tensor):  # a quantized checkpoint's experts
+        out = quantized_experts_mlp(x, *w.gate_up, w.down, ids, weights,
+                                    grouped=pairs >= GROUPED_MIN_PAIRS and not capturing)
     elif pairs < GROUPED_MIN_PAIRS or capturing:
         out = moe_down_sum(moe_gate_up_silu(x, w.gate_up, ids), w.down, ids, weights)
     else:

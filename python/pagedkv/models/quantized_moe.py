@@ -1,8 +1,9 @@
 """A quantized checkpoint's mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral) read
 into MoEWeights: the router as stored (checkpoints leave it unquantized), each expert's gate, up
 and down projections read through their format's reader and stacked over the experts as
-layers/moe_fp8.py's Fp8Experts (FP8 formats: FineGrainedFP8, compressed-tensors). Checkpoints
-store the experts one by one under their family's names:
+layers/moe_quantized.py's Fp8Experts (FineGrainedFP8, compressed-tensors FP8) or Int4Experts (AWQ,
+GPTQ, compressed-tensors W4A16). Checkpoints store the experts one by one under their family's
+names:
 
     Qwen2-MoE, Qwen3-MoE, OLMoE   mlp.gate, mlp.experts.{e}.{gate,up,down}_proj
     Mixtral                       block_sparse_moe.gate, block_sparse_moe.experts.{e}.{w1,w3,w2}
@@ -16,8 +17,9 @@ import dataclasses
 import torch
 
 from pagedkv.layers.moe import MoEWeights
-from pagedkv.layers.moe_fp8 import Fp8Experts, stack_experts
+from pagedkv.layers.moe_quantized import QuantizedExperts, pack_int4_experts, stack_fp8_experts
 from pagedkv.quant.fp8 import Fp8Weight
+from pagedkv.quant.int4 import Int4Weight
 
 # model_type -> (the MoE block's name in a layer, the expert projections' names: gate, up, down)
 EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
@@ -41,25 +43,36 @@ def read_moe(skeleton: MoEWeights, reader, layer: str, model_type: str, read_lin
     num_experts, two_inter, hidden = skeleton.gate_up.shape
     inter = two_inter // 2
 
-    def experts(name: str, shape: tuple[int, int]) -> Fp8Experts:
+    def experts(name: str, shape: tuple[int, int]) -> QuantizedExperts:
         found = []
         for e in range(num_experts):
             prefix = f"{layer}.{block}.experts.{e}.{name}"
             w = read_linear(prefix)
-            if not isinstance(w, Fp8Weight):
+            if not isinstance(w, (Fp8Weight, Int4Weight)):
                 form = "unquantized" if isinstance(w, torch.Tensor) else f"as {type(w).__name__}"
-                raise ValueError(f"pagedkv: {prefix} is stored {form}; quantized experts are read in FP8 only")
-            if tuple(w.weight.shape) != shape:
-                raise ValueError(f"pagedkv: {prefix}'s quantized tensors hold a {list(w.weight.shape)} weight; the "
-                                 f"config makes it {list(shape)}")
+                raise ValueError(f"pagedkv: {prefix} is stored {form}; quantized experts are read in FP8 or "
+                                 "int4 only")
+            held = tuple((w.weight if isinstance(w, Fp8Weight) else w.q).shape)
+            if held != shape:
+                raise ValueError(f"pagedkv: {prefix}'s quantized tensors hold a {list(held)} weight; the config "
+                                 f"makes it {list(shape)}")
             found.append(w)
-        blocks = {w.block for w in found}
-        if len(blocks) > 1:
-            raise ValueError(f"pagedkv: the experts of {layer}.{block} ({name}) have scale blocks {sorted(blocks)}; "
-                             "one layer's must share one")
-        stacked = stack_experts([w.weight for w in found], [w.scales for w in found], found[0].block,
-                                f"{layer}.{block}.experts.*.{name}")
-        return Fp8Experts(stacked.weight.to(device), stacked.scales.to(device), stacked.block)
+        what = f"{layer}.{block}.experts.*.{name}"
+        if isinstance(found[0], Fp8Weight):
+            if len({w.block for w in found}) > 1:
+                raise ValueError(f"pagedkv: {what} have scale blocks {sorted({w.block for w in found})}; one "
+                                 "layer's must share one")
+            stacked = stack_fp8_experts([w.weight for w in found], [w.scales for w in found], found[0].block, what)
+        else:
+            if len({w.group_size for w in found}) > 1:
+                raise ValueError(f"pagedkv: {what} have group sizes {sorted({w.group_size for w in found})}; one "
+                                 "layer's must share one")
+            stacked = pack_int4_experts([w.q for w in found], [w.scales for w in found], [w.zeros for w in found],
+                                        found[0].group_size, [w.perm for w in found], what)
+        held = dataclasses.replace(stacked, **{f.name: getattr(stacked, f.name).to(device)
+                                               for f in dataclasses.fields(stacked)
+                                               if isinstance(getattr(stacked, f.name), torch.Tensor)})
+        return held
 
     gate = experts(gate_name, (inter, hidden))
     up = experts(up_name, (inter, hidden))

@@ -1,0 +1,152 @@
+"""A mixture-of-experts layer's quantized experts, held as a checkpoint stores them (Qwen2-MoE,
+Qwen3-MoE, OLMoE, Mixtral), each projection of every expert stacked over the experts:
+
+    Fp8Experts   FP8 (FineGrainedFP8, compressed-tensors): e4m3 weights and their block scales
+    Int4Experts  int4 (AWQ, GPTQ with or without desc_act, compressed-tensors W4A16): 4-bit values
+                 two a byte, a scale and a zero point per group of input columns
+    gate, up [E, I, D] each; down [E, D, I]
+
+They run by dequantizing only what a step needs (quantized_experts_mlp): a step of few (token,
+expert) pairs (decode, CUDA graphs) gathers its pairs' experts and dequantizes them into a
+temporary in the activations' dtype (device ops only: capturable); a step of many pairs
+(prefill) takes each hit expert once. Correct on every device; no quantized expert kernel yet,
+so a decode step moves each chosen expert's bytes about three times (gather, dequantize,
+product) where a kernel would once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv import ops
+
+
+@dataclasses.dataclass(slots=True)
+class Fp8Experts:
+    """One projection of every expert: expert e's W[j, c] = weight[e, j, c] * scales[e, j // block[0],
+    c // block[1]], as quant.fp8's Fp8Weight per expert."""
+
+    weight: torch.Tensor  # [E, R, C] float8_e4m3fn
+    scales: torch.Tensor  # [E, ceil(R / block[0]), ceil(C / block[1])] float32
+    block: tuple[int, int]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scales]
+
+
+@dataclasses.dataclass(slots=True)
+class Int4Experts:
+    """One projection of every expert, as quant.int4's Int4Weight per expert with its values
+    packed: expert e's W[j, perm[e, c]] = (q[e, j, c] - zeros[e, j, c // g]) * scales[e, j, c // g],
+    q[e, j, 2i] the low and q[e, j, 2i + 1] the high nibble of packed[e, j, i]."""
+
+    packed: torch.Tensor  # [E, R, C / 2] uint8
+    scales: torch.Tensor  # [E, R, C / g], the checkpoint's float dtype
+    zeros: torch.Tensor  # [E, R, C / g] uint8
+    group_size: int  # g
+    perm: torch.Tensor | None  # [E, C] int64 (desc_act), None: the identity for every expert
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.scales, self.zeros, self.perm) if t is not None]
+
+
+QuantizedExperts = Fp8Experts | Int4Experts
+
+
+def num_experts(w: QuantizedExperts) -> int:
+    return (w.weight if isinstance(w, Fp8Experts) else w.packed).shape[0]
+
+
+def dequantize_experts(w: QuantizedExperts, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weights [P, R, C] of experts [P] (int64, on w's device) computed in fp32 (one rounding
+    per value, as the formats dequantize), then cast to dtype."""
+    if isinstance(w, Int4Experts):
+        return _dequantize_int4(w, experts, dtype)
+    rows, cols = w.weight.shape[1:]
+    (bn, bk), q, scales = w.block, w.weight[experts].float(), w.scales[experts]  # [P, R, C], [P, gR, gC]
+    if rows % bn == 0 and cols % bk == 0:  # whole blocks: each scale broadcast over its block
+        blocks = q.view(-1, rows // bn, bn, cols // bk, bk) * scales[:, :, None, :, None]
+        return blocks.view(-1, rows, cols).to(dtype)
+    scales = scales.repeat_interleave(bn, 1)[:, :rows].repeat_interleave(bk, 2)[:, :, :cols]  # [P, R, C]
+    return (q * scales).to(dtype)
+
+
+def _dequantize_int4(w: Int4Experts, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    packed = w.packed[experts]  # [P, R, C / 2]
+    pairs, rows, cols = packed.shape[0], packed.shape[1], 2 * packed.shape[2]
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(pairs, rows, cols // w.group_size, w.group_size)
+    zeros, scales = w.zeros[experts].float().unsqueeze(-1), w.scales[experts].float().unsqueeze(-1)
+    weight = ((q.float() - zeros) * scales).view(pairs, rows, cols)  # [P, R, C], columns in group order
+    if w.perm is not None:  # desc_act: column c multiplies input column perm[e, c]
+        weight = torch.empty_like(weight).scatter_(2, w.perm[experts].unsqueeze(1).expand(-1, rows, -1), weight)
+    return weight.to(dtype)
+
+
+def pack_int4_experts(q: list[torch.Tensor], scales: list[torch.Tensor], zeros: list[torch.Tensor],
+                      group_size: int, perms: list[torch.Tensor | None], what: str) -> Int4Experts:
+    """Each expert's canonical int4 values q [R, C] uint8 (0..15), scales and zeros [R, C / g], and
+    column order (None: the identity), in expert order, as one Int4Experts. ValueError naming `what`
+    for experts of other shapes."""
+    _check_alike([(t.shape, s.shape) for t, s in zip(q, scales)], what)
+    values = torch.stack(q)  # [E, R, C]
+    packed = (values[..., 0::2] | (values[..., 1::2] << 4)).contiguous()
+    perm = None
+    if any(p is not None for p in perms):
+        cols = values.shape[-1]
+        perm = torch.stack([torch.arange(cols) if p is None else p.to(torch.int64) for p in perms])
+    return Int4Experts(packed=packed, scales=torch.stack(scales), zeros=torch.stack(zeros), group_size=group_size,
+                       perm=perm)
+
+
+def stack_fp8_experts(weights: list[torch.Tensor], scales: list[torch.Tensor], block: tuple[int, int],
+                      what: str) -> Fp8Experts:
+    """Each expert's e4m3 weight [R, C] and fp32 scales (its block grid), in expert order, as one
+    Fp8Experts. ValueError naming `what` for experts of other shapes."""
+    _check_alike([(w.shape, s.shape) for w, s in zip(weights, scales)], what)
+    return Fp8Experts(weight=torch.stack(weights), scales=torch.stack(scales), block=block)
+
+
+def _check_alike(shapes: list[tuple], what: str) -> None:
+    for e, (weight, scales) in enumerate(shapes):
+        if (weight, scales) != shapes[0]:
+            raise ValueError(f"{what}: expert {e} is stored as a {list(weight)} weight with {list(scales)} "
+                             f"scales; expert 0 as {list(shapes[0][0])} with {list(shapes[0][1])}: the experts "
+                             "of one layer must share them")
+
+
+def quantized_experts_mlp(x: torch.Tensor, gate: QuantizedExperts, up: QuantizedExperts, down: QuantizedExperts,
+                          ids: torch.Tensor, weights: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """The experts' sum of x [T, D] -> [T, D] (x's dtype) for the routing ids [T, k] (int64) and
+    weights [T, k], with HF's rounding (each projection rounded to the dtype, silu(gate) * up as
+    HF's act_fn, each expert's output times its weight in the weights' dtype, summed in fp32).
+    grouped: take each hit expert once (the counts read back: not capturable); else gather
+    every pair's experts (device ops only)."""
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1)  # [P]
+    x_pairs = x.repeat_interleave(top_k, dim=0)  # [P, D]: each pair's token
+    if grouped:
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts(gate)).tolist()
+        y_sorted = x.new_empty(flat.numel(), x.shape[1])  # [P, D] by expert
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows, one = order[start:start + count], torch.tensor([e], device=x.device)
+                g = F.linear(x_pairs[rows], dequantize_experts(gate, one, x.dtype)[0])  # [count, I]
+                u = F.linear(x_pairs[rows], dequantize_experts(up, one, x.dtype)[0])
+                act = ops.silu_and_mul(torch.cat([g, u], dim=-1))
+                y_sorted[start:start + count] = F.linear(act, dequantize_experts(down, one, x.dtype)[0])
+                start += count
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+    else:
+        column = x_pairs.unsqueeze(-1)  # [P, D, 1]
+        g = torch.bmm(dequantize_experts(gate, flat, x.dtype), column)  # [P, I, 1]
+        u = torch.bmm(dequantize_experts(up, flat, x.dtype), column)
+        act = ops.silu_and_mul(torch.cat([g, u], dim=1).squeeze(-1))  # [P, I]
+        y = torch.bmm(dequantize_experts(down, flat, x.dtype), act.unsqueeze(-1)).squeeze(-1)  # [P, D]
+    weighted = y.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)  # fp32 (Mixtral) or the dtype
+    return weighted.sum(dim=1).to(x.dtype)
