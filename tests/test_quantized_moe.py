@@ -6,8 +6,8 @@ save_pretrained and the "-FP8" / AWQ / GPTQ releases store them; FineGrainedFP8 
 per-tensor scales, compressed-tensors per channel, AWQ, GPTQ with desc_act). pagedkv's greedy tokens equal HF's on the same model holding the
 DEQUANTIZED weights, on both of the experts' paths (a step's pairs gathered, or each hit expert
 once), through generate and LLM; transformers loading the same FineGrainedFP8 folder (it
-dequantizes on a machine without a GPU) gives them too; NF4 MoE checkpoints are refused naming
-the formats that run."""
+dequantizes on a machine without a GPU) gives them too; experts a checkpoint left unquantized
+(bitsandbytes quantizes attention only) are read dense; experts quantized in part are named."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from safetensors.torch import save_file
 import pagedkv
 from fp8_formats import compressed_tensors_dequantize, finegrained_dequantize, to_compressed_tensors
 from int4_formats import awq_dequantize, gptq_dequantize, quantize, to_awq, to_gptq
+from nf4_formats import bnb_dequantize
 from pagedkv.layers import moe
 from pagedkv.layers.moe_quantized import Fp8Experts, Int4Experts
-from pagedkv.models.registry import UnsupportedModel
 from pagedkv.runtime.model import weight_bytes
-from pagedkv.tools.quant_writers import ct_config, to_finegrained
+from pagedkv.tools.quant_writers import ct_config, to_bnb_nf4, to_finegrained
 from test_engine import random_prompts
 from test_moe import CASES as MOE_CASES, tiny
 from test_quantized_checkpoints import assert_cuda_generate_matches, assert_llm_matches
@@ -50,8 +50,12 @@ FORMATS = {
     # each projection its own random column order (desc_act), the historical zero offset
     "gptq-desc_act-qwen3_moe": ("qwen3_moe", {"quant_method": "gptq", "bits": 4, "group_size": 32,
                                               "desc_act": True, "sym": False}, "gptq"),
+    # bitsandbytes quantizes linear modules only: attention and the shared expert, not the experts
+    "bnb-nf4-qwen2_moe": ("qwen2_moe", {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                        "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}, "nf4"),
 }
-FORMS = {"awq": Int4Experts, "gptq": Int4Experts}  # the held form of a case's experts (else Fp8Experts)
+# the held form of a case's experts (else Fp8Experts): int4, or dense where left unquantized
+FORMS = {"awq": Int4Experts, "gptq": Int4Experts, "bnb": torch.Tensor}
 
 
 def olmoe():
@@ -72,8 +76,12 @@ def write_checkpoint(folder: pathlib.Path, case: str) -> torch.nn.Module:
     tensors, dequantized = {}, {}
     for key, value in stored.items():
         module, _, leaf = key.rpartition(".")
-        if leaf == "weight" and module.rpartition(".")[2] in QUANTIZED and value.dim() == 2:
-            if scheme == "awq":
+        expert = ".experts." in module
+        if leaf == "weight" and module.rpartition(".")[2] in QUANTIZED and not (expert and scheme == "nf4"):
+            if scheme == "nf4":
+                parts = to_bnb_nf4(value, block_size=32, double_quant=True)
+                dequantized[key] = bnb_dequantize(parts)
+            elif scheme == "awq":
                 parts = to_awq(*quantize(value, 32))
                 dequantized[key] = awq_dequantize(**parts, group_size=32)
             elif scheme == "gptq":
@@ -141,8 +149,9 @@ def test_generate_matches_hf_on_the_dequantized_model(tmp_path, case, path, monk
     experts = [layer.moe for layer in layers if layer.moe is not None]
     form = FORMS.get(case.split("-")[0], Fp8Experts)
     assert experts and all(isinstance(m.down, form) and all(isinstance(g, form) for g in m.gate_up) for m in experts)
-    held = [m.down.weight if form is Fp8Experts else m.down.packed for m in experts]
-    assert all(t.dtype in (torch.float8_e4m3fn, torch.uint8) for t in held)  # never dequantized
+    if form is not torch.Tensor:
+        held = [m.down.weight if form is Fp8Experts else m.down.packed for m in experts]
+        assert all(t.dtype in (torch.float8_e4m3fn, torch.uint8) for t in held)  # never dequantized
     ids = torch.tensor(random_prompts([9, 9], seed=3))
     assert torch.equal(pagedkv.generate(model, ids, **GREEDY), reference.generate(ids, **GREEDY))
 
@@ -181,26 +190,27 @@ def test_matches_transformers_loading_the_same_folder(tmp_path, case):
     assert torch.equal(pagedkv.generate(model, ids, **GREEDY), hf.generate(ids, **GREEDY))
 
 
-def test_nf4_experts_are_refused_naming_the_formats(tmp_path):
-    write_checkpoint(tmp_path, "fp8-block32x64-qwen3_moe")
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
-                                     "bnb_4bit_quant_type": "nf4"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match=r"experts are read in fp8, .*awq, gptq.*this checkpoint is bitsandbytes"):
-        pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
-
-
-def test_an_unquantized_expert_is_named(tmp_path):
+def test_experts_quantized_in_part_are_named(tmp_path):
+    """One expert's projection left unquantized among quantized ones, or a layer whose gate and up
+    are quantized but whose down is not: ValueError naming the tensor or the layer."""
     write_checkpoint(tmp_path, "fp8-block32x64-qwen3_moe")
     path = tmp_path / "model.safetensors"
     with safe_open(str(path), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        original = {k: f.get_tensor(k) for k in f.keys()}
+    tensors = dict(original)
     prefix = "model.layers.0.mlp.experts.3.up_proj"
     tensors[f"{prefix}.weight"] = torch.randn(MOE_CASES["qwen3_moe"][1]["moe_intermediate_size"], 256)
     del tensors[f"{prefix}.weight_scale_inv"]
     save_file(tensors, path)
-    with pytest.raises(ValueError, match=rf"{prefix} is stored unquantized; quantized experts are read in FP8 or int4"):
+    with pytest.raises(ValueError, match=rf"{prefix} is stored unquantized and expert 0's up_proj is not"):
+        pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+    tensors = dict(original)
+    for e in range(MOE_CASES["qwen3_moe"][1]["num_experts"]):
+        name = f"model.layers.0.mlp.experts.{e}.down_proj"
+        tensors[f"{name}.weight"] = torch.randn(256, MOE_CASES["qwen3_moe"][1]["moe_intermediate_size"])
+        del tensors[f"{name}.weight_scale_inv"]
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp's experts are quantized in some projections only"):
         pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
 
 

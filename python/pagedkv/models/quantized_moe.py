@@ -31,7 +31,9 @@ def read_moe(skeleton: MoEWeights, reader, layer: str, model_type: str, read_lin
     """The MoE weights of checkpoint layer `layer` ("model.layers.{i}") for the skeleton's MoEWeights
     (moe_weights() of the HF skeleton: its routing settings, its meta tensors' shapes). read_linear
     (prefix) -> the projection's quantized canonical form (models/quantized_checkpoint.py).
-    ValueError naming a missing, misshapen or unquantized tensor."""
+    Experts a checkpoint left unquantized (all of a layer's) are read dense, into the 3D layout of
+    HF's experts. ValueError naming a missing or misshapen tensor, or a layer's experts that are
+    quantized in part."""
     block, (gate_name, up_name, down_name) = EXPERT_NAMES.get(model_type, DEFAULT_NAMES)
     router_name = f"{layer}.{block}.gate.weight"
     if router_name not in reader.files:
@@ -43,21 +45,25 @@ def read_moe(skeleton: MoEWeights, reader, layer: str, model_type: str, read_lin
     num_experts, two_inter, hidden = skeleton.gate_up.shape
     inter = two_inter // 2
 
-    def experts(name: str, shape: tuple[int, int]) -> QuantizedExperts:
+    def experts(name: str, shape: tuple[int, int]) -> QuantizedExperts | torch.Tensor:
         found = []
         for e in range(num_experts):
             prefix = f"{layer}.{block}.experts.{e}.{name}"
             w = read_linear(prefix)
-            if not isinstance(w, (Fp8Weight, Int4Weight)):
-                form = "unquantized" if isinstance(w, torch.Tensor) else f"as {type(w).__name__}"
-                raise ValueError(f"pagedkv: {prefix} is stored {form}; quantized experts are read in FP8 or "
-                                 "int4 only")
-            held = tuple((w.weight if isinstance(w, Fp8Weight) else w.q).shape)
+            if not isinstance(w, (Fp8Weight, Int4Weight, torch.Tensor)):
+                raise ValueError(f"pagedkv: {prefix} is stored as {type(w).__name__}; quantized experts are read "
+                                 "in FP8 or int4 only (or left unquantized)")
+            if isinstance(w, torch.Tensor) != isinstance(found[0] if found else w, torch.Tensor):
+                raise ValueError(f"pagedkv: {prefix} is stored {'un' if isinstance(w, torch.Tensor) else ''}"
+                                 f"quantized and expert 0's {name} is not: one layer's experts must be alike")
+            held = tuple((w if isinstance(w, torch.Tensor) else w.weight if isinstance(w, Fp8Weight) else w.q).shape)
             if held != shape:
                 raise ValueError(f"pagedkv: {prefix}'s quantized tensors hold a {list(held)} weight; the config "
                                  f"makes it {list(shape)}")
             found.append(w)
         what = f"{layer}.{block}.experts.*.{name}"
+        if isinstance(found[0], torch.Tensor):  # left unquantized (e.g. bitsandbytes, which quantizes attention only)
+            return torch.stack(found).to(device=device, dtype=dtype)  # [E, R, C]
         if isinstance(found[0], Fp8Weight):
             if len({w.block for w in found}) > 1:
                 raise ValueError(f"pagedkv: {what} have scale blocks {sorted({w.block for w in found})}; one "
@@ -77,10 +83,18 @@ def read_moe(skeleton: MoEWeights, reader, layer: str, model_type: str, read_lin
     gate = experts(gate_name, (inter, hidden))
     up = experts(up_name, (inter, hidden))
     down = experts(down_name, (hidden, inter))
+    if isinstance(down, torch.Tensor) or isinstance(gate, torch.Tensor) or isinstance(up, torch.Tensor):
+        if not all(isinstance(t, torch.Tensor) for t in (gate, up, down)):
+            raise ValueError(f"pagedkv: {layer}.{block}'s experts are quantized in some projections only; "
+                             "supported: all three quantized, or none")
+        gate_up = torch.cat([gate, up], dim=1).contiguous()  # [E, 2I, D]: the dense experts' own kernels
+        down = down.contiguous()
+    else:
+        gate_up = (gate, up)
     shared_gate = None
     if skeleton.shared_gate is not None:  # Qwen2-MoE's sigmoid gate of its shared expert
         name = f"{layer}.{block}.shared_expert_gate.weight"
         if name not in reader.files:
             raise ValueError(f"pagedkv: the checkpoint has no {name!r} (the shared expert's gate)")
         shared_gate = reader.read(name).to(device=device, dtype=dtype).reshape(skeleton.shared_gate.shape).contiguous()
-    return dataclasses.replace(skeleton, router=router, gate_up=(gate, up), down=down, shared_gate=shared_gate)
+    return dataclasses.replace(skeleton, router=router, gate_up=gate_up, down=down, shared_gate=shared_gate)

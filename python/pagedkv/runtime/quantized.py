@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Llama-family types whose linears are q/k/v/o, gate/up/down (models/llama.py), one device; and
-# the MoE types, whose experts are read in FP8 and int4 formats (models/quantized_moe.py).
+# the MoE types, whose experts are read as FP8 or int4, or dense where the checkpoint left them
+# unquantized (models/quantized_moe.py).
 CHECKPOINT_MODEL_TYPES = registry.QUANTIZED_MODEL_TYPES + registry.MOE_MODEL_TYPES
-MOE_FORMATS = ("fp8", "compressed-tensors fp8", "awq", "gptq", "compressed-tensors w4a16")
 
 
 def from_pretrained_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None,
@@ -69,9 +69,6 @@ def from_pretrained_quantized(path: str | os.PathLike, dtype: torch.dtype | None
     if model.config.model_type not in CHECKPOINT_MODEL_TYPES:
         raise UnsupportedModel(f"{who}: model_type {model.config.model_type!r} is not supported with a "
                                f"quantized checkpoint; supported: {', '.join(CHECKPOINT_MODEL_TYPES)}")
-    if model.config.model_type in registry.MOE_MODEL_TYPES and fmt.name not in MOE_FORMATS:
-        raise UnsupportedModel(f"{who}: a mixture-of-experts model's quantized experts are read in "
-                               f"{', '.join(MOE_FORMATS)}; this checkpoint is {fmt.name}")
     if rope_type(model.config) in LENGTH_DEPENDENT_ROPE_TYPES:  # layers/rotary.py RopeByLength: not wired here
         raise UnsupportedModel(f"{who}: rope type {rope_type(model.config)!r} is not supported with a "
                                "quantized checkpoint yet")
