@@ -125,7 +125,7 @@ def test_dequantize_experts_is_each_experts_own_dequantization(block):
 @pytest.mark.parametrize("desc_act", [False, True])
 def test_dequantize_int4_experts_is_each_experts_own_dequantization(desc_act):
     """Packed two values a byte, each expert its own column order (GPTQ desc_act) or none."""
-    from pagedkv.layers.moe_quantized import dequantize_experts, pack_int4_experts
+    from pagedkv.layers.moe_quantized import dequantize_all, dequantize_experts, pack_int4_experts
     from pagedkv.quant.int4 import dequantize, from_gptq
 
     orders = [desc_act, desc_act, False, desc_act]  # with desc_act, one expert without a column order
@@ -137,6 +137,9 @@ def test_dequantize_int4_experts_is_each_experts_own_dequantization(desc_act):
     ids = torch.tensor([2, 0, 2, 3, 1])
     got = dequantize_experts(stacked, ids, torch.float32)
     assert torch.equal(got, torch.stack([dequantize(experts[e]) for e in ids.tolist()]))
+    every = torch.stack([dequantize(e) for e in experts])
+    for chunk in (1, 3, 4, 16):  # dequantize_all, chunk experts at a time (the last chunk short)
+        assert torch.equal(dequantize_all(stacked, torch.float32, chunk), every)
 
 
 @pytest.mark.parametrize("path", ["pairs gathered", "each expert once"])
@@ -215,7 +218,7 @@ def test_experts_quantized_in_part_are_named(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", ["fp8-block128-qwen2_moe", "fp8-block32x64-qwen3_moe"])
+@pytest.mark.parametrize("case", ["fp8-block128-qwen2_moe", "fp8-block32x64-qwen3_moe", "gptq-desc_act-qwen3_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_hf(tmp_path, case, dtype):
     """On the GPU the decode steps (the pairs' experts gathered and dequantized: device ops only)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.moe_quantized import QuantizedExperts, quantized_experts_mlp
+from pagedkv.layers.moe_quantized import QuantizedExperts, dequantize_all, num_experts, quantized_experts_mlp
 
 _ops = torch.ops.pagedkv
 # Above this many (token, expert) pairs outside graph capture, group by expert (one GEMM per hit
@@ -100,10 +100,16 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) 
     ids, weights = route(x, w)
     pairs = ids.numel()
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not isinstance(w.down, torch.Tensor):  # a quantized checkpoint's experts
-        out = quantized_experts_mlp(x, *w.gate_up, w.down, ids, weights,
-                                    grouped=pairs >= GROUPED_MIN_PAIRS and not capturing)
-    elif pairs < GROUPED_MIN_PAIRS or capturing:
+    grouped = pairs >= GROUPED_MIN_PAIRS and not capturing
+    if not isinstance(w.down, torch.Tensor) and not grouped and pairs > num_experts(w.down):
+        # a quantized checkpoint's experts, more pairs than experts in a step that does not group
+        # (captured, or under GROUPED_MIN_PAIRS): every expert dequantized once (a temporary of the
+        # layer's size, however many rows the step has), then the dense experts' kernels
+        gate_up = torch.cat([dequantize_all(e, x.dtype) for e in w.gate_up], dim=1)  # [E, 2I, D]
+        out = moe_down_sum(moe_gate_up_silu(x, gate_up, ids), dequantize_all(w.down, x.dtype), ids, weights)
+    elif not isinstance(w.down, torch.Tensor):  # a quantized checkpoint's experts
+        out = quantized_experts_mlp(x, *w.gate_up, w.down, ids, weights, grouped)
+    elif not grouped:
         out = moe_down_sum(moe_gate_up_silu(x, w.gate_up, ids), w.down, ids, weights)
     else:
         out = _grouped_experts(x, w, ids, weights)

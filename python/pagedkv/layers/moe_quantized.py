@@ -6,10 +6,12 @@ Qwen3-MoE, OLMoE, Mixtral), each projection of every expert stacked over the exp
                  two a byte, a scale and a zero point per group of input columns
     gate, up [E, I, D] each; down [E, D, I]
 
-They run by dequantizing only what a step needs (quantized_experts_mlp): a step of few (token,
-expert) pairs (decode, CUDA graphs) gathers its pairs' experts and dequantizes them into a
-temporary in the activations' dtype (device ops only: capturable); a step of many pairs
-(prefill) takes each hit expert once. Correct on every device; no quantized expert kernel yet,
+They run by dequantizing what a step needs into temporaries in the activations' dtype, with
+device ops only (capturable) except where noted: a step of at most as many (token, expert)
+pairs as experts (decode) gathers its pairs' experts (quantized_experts_mlp); a step of more
+pairs that does not group (captured, or fewer than GROUPED_MIN_PAIRS) dequantizes every expert
+once and runs the dense experts' kernels (layers/moe.py); an eager step of many pairs (prefill)
+takes each hit expert once (its counts read back). Correct on every device; no quantized expert kernel yet,
 so a decode step moves each chosen expert's bytes about three times (gather, dequantize,
 product) where a kernel would once.
 """
@@ -72,6 +74,19 @@ def dequantize_experts(w: QuantizedExperts, experts: torch.Tensor, dtype: torch.
         return blocks.view(-1, rows, cols).to(dtype)
     scales = scales.repeat_interleave(bn, 1)[:, :rows].repeat_interleave(bk, 2)[:, :, :cols]  # [P, R, C]
     return (q * scales).to(dtype)
+
+
+def dequantize_all(w: QuantizedExperts, dtype: torch.dtype, chunk: int = 16) -> torch.Tensor:
+    """Every expert's weight [E, R, C] in dtype, chunk experts at a time (so the fp32 temporary
+    stays chunk experts large)."""
+    count = num_experts(w)
+    ids = torch.arange(count, device=(w.weight if isinstance(w, Fp8Experts) else w.packed).device)
+    first = dequantize_experts(w, ids[:chunk], dtype)
+    out = first.new_empty((count, *first.shape[1:]))
+    out[:chunk] = first
+    for start in range(chunk, count, chunk):
+        out[start:start + chunk] = dequantize_experts(w, ids[start:start + chunk], dtype)
+    return out
 
 
 def _dequantize_int4(w: Int4Experts, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
