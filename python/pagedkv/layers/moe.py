@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.moe_quantized import QuantizedExperts, dequantize_all, num_experts, quantized_experts_mlp
+from pagedkv.layers.moe_quantized import (QuantizedExperts, dequantize_all, dequantize_experts, gathered_experts,
+                                          num_experts)
 
 _ops = torch.ops.pagedkv
 # Above this many (token, expert) pairs outside graph capture, group by expert (one GEMM per hit
@@ -100,19 +101,18 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) 
     ids, weights = route(x, w)
     pairs = ids.numel()
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    grouped = pairs >= GROUPED_MIN_PAIRS and not capturing
-    if not isinstance(w.down, torch.Tensor) and not grouped and pairs > num_experts(w.down):
-        # a quantized checkpoint's experts, more pairs than experts in a step that does not group
-        # (captured, or under GROUPED_MIN_PAIRS): every expert dequantized once (a temporary of the
-        # layer's size, however many rows the step has), then the dense experts' kernels
+    quantized = not isinstance(w.down, torch.Tensor)  # a quantized checkpoint's (layers/moe_quantized.py)
+    if pairs >= GROUPED_MIN_PAIRS and not capturing:
+        out = _grouped_experts(x, w, ids, weights)
+    elif quantized and pairs > num_experts(w.down):
+        # More pairs than experts (captured, or under GROUPED_MIN_PAIRS): every expert dequantized
+        # once (a temporary of the layer's size, however many rows the step has), then the kernels.
         gate_up = torch.cat([dequantize_all(e, x.dtype) for e in w.gate_up], dim=1)  # [E, 2I, D]
         out = moe_down_sum(moe_gate_up_silu(x, gate_up, ids), dequantize_all(w.down, x.dtype), ids, weights)
-    elif not isinstance(w.down, torch.Tensor):  # a quantized checkpoint's experts
-        out = quantized_experts_mlp(x, *w.gate_up, w.down, ids, weights, grouped)
-    elif not grouped:
-        out = moe_down_sum(moe_gate_up_silu(x, w.gate_up, ids), w.down, ids, weights)
+    elif quantized:  # only the pairs' experts
+        out = _weighted_sum(gathered_experts(x, *w.gate_up, w.down, ids), weights, x.dtype)
     else:
-        out = _grouped_experts(x, w, ids, weights)
+        out = moe_down_sum(moe_gate_up_silu(x, w.gate_up, ids), w.down, ids, weights)
     if shared is not None:
         out = out + torch.sigmoid(ops.linear(x, w.shared_gate)) * shared
     return out
@@ -123,7 +123,9 @@ def grouped_mm_runs(x: torch.Tensor, w: MoEWeights) -> bool:
     activations like x: on CUDA bf16 only, from compute capability 8.0, rows of 16-byte
     multiples; on the CPU any float dtype. Both want 16-byte aligned weights (torch 2.10's CPU
     kernel asks for it; the activations it gets are fresh tensors)."""
-    if not hasattr(F, "grouped_mm") or w.gate_up.data_ptr() % 16 or w.down.data_ptr() % 16:
+    if not isinstance(w.down, torch.Tensor) or not hasattr(F, "grouped_mm"):  # quantized experts
+        return False
+    if w.gate_up.data_ptr() % 16 or w.down.data_ptr() % 16:
         return False
     if x.is_cuda:
         rows_aligned = w.gate_up.shape[-1] % 8 == 0 and w.down.shape[-1] % 8 == 0
@@ -135,32 +137,49 @@ def _grouped_experts(x: torch.Tensor, w: MoEWeights, ids: torch.Tensor, weights:
     """HF's grouped_mm experts forward: the (token, expert) pairs sorted by expert, each projection
     of every hit expert one grouped GEMM, HF's activation rounding between them, the weighted
     outputs summed per token in fp32 and rounded. Device ops only where grouped_mm runs;
-    otherwise one GEMM per hit expert, the counts read back to the host (not capturable)."""
-    num_tokens, top_k = ids.shape
-    num_experts = w.gate_up.shape[0]
+    otherwise one GEMM per hit expert (a quantized expert dequantized for it), the counts read
+    back to the host (not capturable)."""
+    top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T * k] pairs by expert
     x_sorted = x[order // top_k]  # [T * k, D]
     if grouped_mm_runs(x, w):
         # ends[e]: one past expert e's last pair in the sorted order (grouped_mm's offs)
-        experts = torch.arange(num_experts, device=x.device, dtype=flat.dtype)
+        experts = torch.arange(w.gate_up.shape[0], device=x.device, dtype=flat.dtype)
         ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # [E]
         gate_up = F.grouped_mm(x_sorted, w.gate_up.transpose(-2, -1), offs=ends)  # [T * k, 2 I]
         y_sorted = F.grouped_mm(ops.silu_and_mul(gate_up), w.down.transpose(-2, -1), offs=ends)  # [T * k, D]
     else:
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
+        count_of = torch.bincount(flat, minlength=len(w.router)).tolist()
         y_sorted = x.new_empty(order.numel(), x.shape[1])  # [T * k, D]
         start = 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(count_of):
             if count:
                 rows = slice(start, start + count)
-                act = ops.gate_up_silu(x_sorted[rows], w.gate_up[e])  # [count, I]
-                ops.linear(act, w.down[e], out=y_sorted[rows])
+                gate_up, down = _expert_weights(w, e, x.dtype)
+                act = ops.gate_up_silu(x_sorted[rows], gate_up)  # [count, I]
+                ops.linear(act, down, out=y_sorted[rows])
                 start += count
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
-    weighted = y.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)  # fp32 (Mixtral) or the dtype
-    return weighted.sum(dim=1).to(x.dtype)
+    return _weighted_sum(y, weights, x.dtype)
+
+
+def _expert_weights(w: MoEWeights, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e's gate_up [2 I, D] and down [D, I]; a quantized checkpoint's dequantized to dtype."""
+    if isinstance(w.down, torch.Tensor):
+        return w.gate_up[e], w.down[e]
+    one = torch.tensor([e], device=w.router.device)
+    gate_up = torch.cat([dequantize_experts(part, one, dtype)[0] for part in w.gate_up])
+    return gate_up, dequantize_experts(w.down, one, dtype)[0]
+
+
+def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_j y[t k + j] * weights[t, j] -> [T, D] in dtype: each expert output [T k, D] times its
+    weight in the weights' dtype (fp32 for Mixtral, else the model's), summed in fp32 (HF's
+    grouped experts forward)."""
+    num_tokens, top_k = weights.shape
+    return (y.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
 
 
 def moe_topk(logits: torch.Tensor, top_k: int, normalize: bool, fp32_weights: bool,

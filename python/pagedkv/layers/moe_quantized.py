@@ -8,10 +8,11 @@ Qwen3-MoE, OLMoE, Mixtral), each projection of every expert stacked over the exp
 
 They run by dequantizing what a step needs into temporaries in the activations' dtype, with
 device ops only (capturable) except where noted: a step of at most as many (token, expert)
-pairs as experts (decode) gathers its pairs' experts (quantized_experts_mlp); a step of more
-pairs that does not group (captured, or fewer than GROUPED_MIN_PAIRS) dequantizes every expert
-once and runs the dense experts' kernels (layers/moe.py); an eager step of many pairs (prefill)
-takes each hit expert once (its counts read back). Correct on every device; no quantized expert kernel yet,
+pairs as experts (decode) gathers its pairs' experts (gathered_experts); a step of more pairs
+that does not group (captured, or fewer than GROUPED_MIN_PAIRS) dequantizes every expert once
+(dequantize_all) and runs the dense experts' kernels; an eager step of many pairs (prefill)
+takes each hit expert once (its counts read back), as the dense experts' per-expert GEMMs do
+(layers/moe.py). Correct on every device; no quantized expert kernel yet,
 so a decode step moves each chosen expert's bytes about three times (gather, dequantize,
 product) where a kernel would once.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from pagedkv import ops
 
@@ -58,8 +58,13 @@ class Int4Experts:
 QuantizedExperts = Fp8Experts | Int4Experts
 
 
+def _values(w: QuantizedExperts) -> torch.Tensor:
+    """The stored values [E, R, ...] (e4m3 weights or packed int4)."""
+    return w.weight if isinstance(w, Fp8Experts) else w.packed
+
+
 def num_experts(w: QuantizedExperts) -> int:
-    return (w.weight if isinstance(w, Fp8Experts) else w.packed).shape[0]
+    return _values(w).shape[0]
 
 
 def dequantize_experts(w: QuantizedExperts, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,7 +85,7 @@ def dequantize_all(w: QuantizedExperts, dtype: torch.dtype, chunk: int = 16) -> 
     """Every expert's weight [E, R, C] in dtype, chunk experts at a time (so the fp32 temporary
     stays chunk experts large)."""
     count = num_experts(w)
-    ids = torch.arange(count, device=(w.weight if isinstance(w, Fp8Experts) else w.packed).device)
+    ids = torch.arange(count, device=_values(w).device)
     first = dequantize_experts(w, ids[:chunk], dtype)
     out = first.new_empty((count, *first.shape[1:]))
     out[:chunk] = first
@@ -132,36 +137,15 @@ def _check_alike(shapes: list[tuple], what: str) -> None:
                              "of one layer must share them")
 
 
-def quantized_experts_mlp(x: torch.Tensor, gate: QuantizedExperts, up: QuantizedExperts, down: QuantizedExperts,
-                          ids: torch.Tensor, weights: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """The experts' sum of x [T, D] -> [T, D] (x's dtype) for the routing ids [T, k] (int64) and
-    weights [T, k], with HF's rounding (each projection rounded to the dtype, silu(gate) * up as
-    HF's act_fn, each expert's output times its weight in the weights' dtype, summed in fp32).
-    grouped: take each hit expert once (the counts read back: not capturable); else gather
-    every pair's experts (device ops only)."""
-    num_tokens, top_k = ids.shape
+def gathered_experts(x: torch.Tensor, gate: QuantizedExperts, up: QuantizedExperts, down: QuantizedExperts,
+                     ids: torch.Tensor) -> torch.Tensor:
+    """Each (token, expert) pair's expert output [P, D] for x [T, D] and the routing ids [T, k]
+    (int64; P = T k, pair p = token p // k), with HF's rounding (each projection rounded to x's
+    dtype, silu(gate) * up as HF's act_fn): every pair's experts gathered and dequantized, device
+    ops only (capturable). layers/moe.py weights and sums them."""
     flat = ids.reshape(-1)  # [P]
-    x_pairs = x.repeat_interleave(top_k, dim=0)  # [P, D]: each pair's token
-    if grouped:
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts(gate)).tolist()
-        y_sorted = x.new_empty(flat.numel(), x.shape[1])  # [P, D] by expert
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                rows, one = order[start:start + count], torch.tensor([e], device=x.device)
-                g = F.linear(x_pairs[rows], dequantize_experts(gate, one, x.dtype)[0])  # [count, I]
-                u = F.linear(x_pairs[rows], dequantize_experts(up, one, x.dtype)[0])
-                act = ops.silu_and_mul(torch.cat([g, u], dim=-1))
-                y_sorted[start:start + count] = F.linear(act, dequantize_experts(down, one, x.dtype)[0])
-                start += count
-        y = torch.empty_like(y_sorted)
-        y[order] = y_sorted
-    else:
-        column = x_pairs.unsqueeze(-1)  # [P, D, 1]
-        g = torch.bmm(dequantize_experts(gate, flat, x.dtype), column)  # [P, I, 1]
-        u = torch.bmm(dequantize_experts(up, flat, x.dtype), column)
-        act = ops.silu_and_mul(torch.cat([g, u], dim=1).squeeze(-1))  # [P, I]
-        y = torch.bmm(dequantize_experts(down, flat, x.dtype), act.unsqueeze(-1)).squeeze(-1)  # [P, D]
-    weighted = y.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)  # fp32 (Mixtral) or the dtype
-    return weighted.sum(dim=1).to(x.dtype)
+    column = x.repeat_interleave(ids.shape[1], dim=0).unsqueeze(-1)  # [P, D, 1]: each pair's token
+    g = torch.bmm(dequantize_experts(gate, flat, x.dtype), column)  # [P, I, 1]
+    u = torch.bmm(dequantize_experts(up, flat, x.dtype), column)
+    act = ops.silu_and_mul(torch.cat([g, u], dim=1).squeeze(-1))  # [P, I]
+    return torch.bmm(dequantize_experts(down, flat, x.dtype), act.unsqueeze(-1)).squeeze(-1)  # [P, D]

@@ -13,7 +13,8 @@ and LM head (unquantized in these checkpoints) are cast to the activations' dtyp
 linear a checkpoint left unquantized (modules_to_not_convert, ignore, llm_int8_skip_modules):
 one without its format's quantized tensors.
 
-A mixture-of-experts layer's experts are read by models/quantized_moe.py (FP8 only).
+A mixture-of-experts layer's experts are read by models/quantized_moe.py (FP8, int4, or dense
+where the checkpoint left them unquantized).
 
 QKV and gate/up are one weight each when their parts allow it (int4: the same group size and,
 with desc_act, the same column order, as GPTQ sorts q, k, v by the same input's statistics;

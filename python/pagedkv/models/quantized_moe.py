@@ -56,10 +56,9 @@ def read_moe(skeleton: MoEWeights, reader, layer: str, model_type: str, read_lin
             if isinstance(w, torch.Tensor) != isinstance(found[0] if found else w, torch.Tensor):
                 raise ValueError(f"pagedkv: {prefix} is stored {'un' if isinstance(w, torch.Tensor) else ''}"
                                  f"quantized and expert 0's {name} is not: one layer's experts must be alike")
-            held = tuple((w if isinstance(w, torch.Tensor) else w.weight if isinstance(w, Fp8Weight) else w.q).shape)
-            if held != shape:
-                raise ValueError(f"pagedkv: {prefix}'s quantized tensors hold a {list(held)} weight; the config "
-                                 f"makes it {list(shape)}")
+            stored = tuple((w if isinstance(w, torch.Tensor) else w.weight if isinstance(w, Fp8Weight) else w.q).shape)
+            if stored != shape:
+                raise ValueError(f"pagedkv: {prefix} holds a {list(stored)} weight; the config makes it {list(shape)}")
             found.append(w)
         what = f"{layer}.{block}.experts.*.{name}"
         if isinstance(found[0], torch.Tensor):  # left unquantized (e.g. bitsandbytes, which quantizes attention only)
@@ -75,20 +74,19 @@ def read_moe(skeleton: MoEWeights, reader, layer: str, model_type: str, read_lin
                                  "layer's must share one")
             stacked = pack_int4_experts([w.q for w in found], [w.scales for w in found], [w.zeros for w in found],
                                         found[0].group_size, [w.perm for w in found], what)
-        held = dataclasses.replace(stacked, **{f.name: getattr(stacked, f.name).to(device)
-                                               for f in dataclasses.fields(stacked)
-                                               if isinstance(getattr(stacked, f.name), torch.Tensor)})
-        return held
+        on_device = {f.name: getattr(stacked, f.name).to(device) for f in dataclasses.fields(stacked)
+                     if isinstance(getattr(stacked, f.name), torch.Tensor)}
+        return dataclasses.replace(stacked, **on_device)
 
     gate = experts(gate_name, (inter, hidden))
     up = experts(up_name, (inter, hidden))
     down = experts(down_name, (hidden, inter))
-    if isinstance(down, torch.Tensor) or isinstance(gate, torch.Tensor) or isinstance(up, torch.Tensor):
-        if not all(isinstance(t, torch.Tensor) for t in (gate, up, down)):
-            raise ValueError(f"pagedkv: {layer}.{block}'s experts are quantized in some projections only; "
-                             "supported: all three quantized, or none")
-        gate_up = torch.cat([gate, up], dim=1).contiguous()  # [E, 2I, D]: the dense experts' own kernels
-        down = down.contiguous()
+    dense = [isinstance(t, torch.Tensor) for t in (gate, up, down)]
+    if any(dense) and not all(dense):
+        raise ValueError(f"pagedkv: {layer}.{block}'s experts are quantized in some projections only; "
+                         "supported: all three quantized, or none")
+    if all(dense):  # HF's 3D layout: the dense experts' own kernels
+        gate_up, down = torch.cat([gate, up], dim=1).contiguous(), down.contiguous()  # [E, 2I, D], [E, D, I]
     else:
         gate_up = (gate, up)
     shared_gate = None
