@@ -7,7 +7,9 @@ beside the compute bound: the step's matrix-product FLOPs over the bf16 GEMM rat
     python benchmarks/bench_moe_prefill.py [--out DIR] [--prompts 512,2048,8192] [--layers 16]
         [--no-hf] [--small]
 
-Each time is the best of 3 `generate(max_new_tokens=1)` calls (prefill + one sampled token).
+Each time is the best of 3 `generate(max_new_tokens=1)` calls (prefill + one sampled token), the
+prefix cache dropped before each: a repeated prompt would otherwise find its K/V cached and
+compute one token (session 35's first table timed exactly that).
 --layers keeps the widths with fewer layers (HF and pagedkv share the weights: 16 layers are
 ~20 GB); --small: 2 layers, a 1024-token vocabulary, short prompts (a smoke test, CPU too).
 """
@@ -66,11 +68,14 @@ def main() -> None:
     tflops = gemm_tflops(device, dtype, 1024 if args.small else 8192)
     print(f"Qwen3-30B-A3B shape, {model.config.num_hidden_layers} layers; GEMM {tflops:.3g} TFLOP/s", flush=True)
 
+    def pagedkv_prefill(ids: torch.Tensor) -> torch.Tensor:
+        cache = pagedkv.kv_cache_of(model)
+        if cache is not None:
+            cache.drop_prefix_cache()
+        return pagedkv.generate(model, ids, max_new_tokens=1, do_sample=False)
+
     grouped_mm_runs = moe.grouped_mm_runs
-    systems = {
-        "pagedkv, grouped GEMM": lambda ids: pagedkv.generate(model, ids, max_new_tokens=1, do_sample=False),
-        "pagedkv, GEMM per expert": lambda ids: pagedkv.generate(model, ids, max_new_tokens=1, do_sample=False),
-    }
+    systems = {"pagedkv, grouped GEMM": pagedkv_prefill, "pagedkv, GEMM per expert": pagedkv_prefill}
     if not args.no_hf:
         systems["HF eager"] = lambda ids: model.generate(ids, max_new_tokens=1, do_sample=False)
     rows, plot = [], {name: [] for name in systems}

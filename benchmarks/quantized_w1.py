@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from pagedkv.tools.quant_writers import ct_config, to_bnb_nf4, to_compressed_tensors_int4, to_finegrained
+from pagedkv.tools.quant_writers import (ct_config, to_bnb_nf4, to_compressed_tensors_int4, to_finegrained,
+                                        to_torchao_int4, torchao_int4_config)
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -36,6 +37,8 @@ FORMATS = {
     "int4": Format("INT4 (compressed-tensors W4A16, group 128)",
                    ct_config("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}),
                    lambda w: to_compressed_tensors_int4(w, 128), {1: 1.8, 8: 2.3}),
+    "int4-torchao": Format("INT4 (torchao tile_packed_to_4d, group 128: float zeros)", torchao_int4_config(128),
+                           lambda w: to_torchao_int4(w, 128), {1: 1.8, 8: 2.3}),
     "nf4": Format("NF4 (bitsandbytes, double quant)",
                   {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
                    "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16",

@@ -10,8 +10,9 @@ namespace pagedkv {
 // out [..., n] = x [..., k] @ W^T with W [n, k] = (q - zeros) * scales, groups of group_size
 // input columns: packed [n, k / 8] int32 (column 8w + e of a row in bits 4e..4e+3 of its word w),
 // scales [n, k / group_size] float16/bfloat16, zeros [n, k / group_size] uint8 (0..16: GPTQ's
-// historical offset can make a zero 16). group_size a multiple of 32 dividing k, so a 16-byte
-// piece of a row (32 columns) never straddles two groups.
+// historical offset can make a zero 16), or zeros of the scales' dtype: W = (q - 8) * scales +
+// zeros (torchao's tinygemm form). group_size a multiple of 32 dividing k, so a 16-byte piece of
+// a row (32 columns) never straddles two groups.
 inline void check_linear_w4a16_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                                     const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size) {
   const int64_t k = check_quant_linear_x(x);
@@ -28,8 +29,9 @@ inline void check_linear_w4a16_args(const at::Tensor& out, const at::Tensor& x, 
   TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kBFloat16,
               "pagedkv: scales has dtype ", scales.scalar_type(), "; allowed: torch.float16, torch.bfloat16");
   check_quant_linear_param(scales, "scales", x, "[n, k / group_size]", group_shape);
-  TORCH_CHECK(zeros.scalar_type() == at::kByte, "pagedkv: zeros has dtype ", zeros.scalar_type(),
-              "; it must be torch.uint8");
+  TORCH_CHECK(zeros.scalar_type() == at::kByte || zeros.scalar_type() == scales.scalar_type(),
+              "pagedkv: zeros has dtype ", zeros.scalar_type(), "; allowed: torch.uint8 (zero points) or the "
+              "scales' dtype ", scales.scalar_type(), " (float zeros, added after scaling)");
   check_quant_linear_param(zeros, "zeros", x, "[n, k / group_size]", group_shape);
   check_linear_out(out, x, n);
 }

@@ -107,3 +107,28 @@ def compressed_tensors_int4_dequantize(weight_packed: torch.Tensor, weight_scale
     group_size = in_features // weight_scale.shape[1]
     scale = weight_scale.float().repeat_interleave(group_size, dim=1)
     return (unpacked - 8).float() * scale
+
+
+def torchao_tile_dequantize(qdata: torch.Tensor, scale_and_zero: torch.Tensor, out_features: int,
+                            in_features: int, group_size: int) -> torch.Tensor:
+    """torchao's Int4TilePackedTo4dTensor read back loop by loop as torch's packing kernel
+    (matrix_to_m16n8k16_Bint4_layout, 8 inner k-tiles) wrote it: lane t of [n-tile][outer k-tile]
+    holds row 8 n_tile + t / 4; word w packs bytes ks[i] of that row (i = 0..3: k-tile pair 2w,
+    offsets t % 4, + 4, + 8, + 12 bytes), the high nibble (even column) of byte i in bits 4i..,
+    the low nibble (odd column) in bits 16 + 4i..; then tinygemm's (q - 8) * scale + zero."""
+    words = qdata.tolist()
+    n_pad, k_pad = qdata.shape[0] * 8, qdata.shape[1] * 128
+    q = [[0] * k_pad for _ in range(n_pad)]
+    for n_tile, outer in enumerate(words):
+        for k_outer, lanes in enumerate(outer):
+            for t, lane in enumerate(lanes):
+                for j, word in enumerate(lane):
+                    base = (k_outer * 8 + 2 * j) * 8
+                    ks = [base + t % 4, base + t % 4 + 4, base + 8 + t % 4, base + 8 + t % 4 + 4]
+                    for i, k in enumerate(ks):
+                        q[n_tile * 8 + t // 4][2 * k] = (word >> (4 * i)) & 0xF
+                        q[n_tile * 8 + t // 4][2 * k + 1] = (word >> (16 + 4 * i)) & 0xF
+    values = torch.tensor(q, dtype=torch.float32)[:out_features, :in_features]
+    scale = scale_and_zero[:, :out_features, 0].t().float().repeat_interleave(group_size, dim=1)[:, :in_features]
+    zero = scale_and_zero[:, :out_features, 1].t().float().repeat_interleave(group_size, dim=1)[:, :in_features]
+    return (values - 8) * scale + zero

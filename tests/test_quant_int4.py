@@ -227,7 +227,8 @@ def test_bad_calls_name_the_argument(device):
         linear_w4a16(x, p, s.float(), z, 32)
     with pytest.raises(RuntimeError, match=r"scales must be \[n, k / group_size\] = \[16, 4\], got \[16, 2\]"):
         linear_w4a16(x, p, s[:, :2].contiguous(), z, 32)
-    with pytest.raises(RuntimeError, match=r"zeros has dtype Int; it must be torch.uint8"):
+    with pytest.raises(RuntimeError, match=r"zeros has dtype Int; allowed: torch.uint8 \(zero points\) or the "
+                       r"scales' dtype Half \(float zeros"):
         linear_w4a16(x, p, s, z.int(), 32)
     with pytest.raises(RuntimeError, match=r"out must have shape \[2, 16\]"):
         linear_w4a16(x, p, s, z, 32, out=torch.empty(2, 8, device=device))

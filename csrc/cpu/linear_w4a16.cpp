@@ -9,7 +9,8 @@
 
 namespace pagedkv {
 
-// [n, k] float32 = (q - zeros) * scales from the checked packed/scales/zeros, on their device.
+// [n, k] float32 = (q - zeros) * scales from the checked packed/scales/zeros, on their device;
+// float zeros (the scales' dtype): (q - 8) * scales + zeros, exact up to the one rounding of the add.
 at::Tensor dequantize_w4a16(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
                             int64_t group_size) {
   const int64_t n = packed.size(0);
@@ -17,7 +18,9 @@ at::Tensor dequantize_w4a16(const at::Tensor& packed, const at::Tensor& scales, 
   const at::Tensor shifts = at::arange(0, 32, 4, packed.options());                    // [8]
   const at::Tensor q = packed.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and(0xF);  // [n, k/8, 8]
   const at::Tensor q_groups = q.to(at::kFloat).view({n, k / group_size, group_size});
-  const at::Tensor w = (q_groups - zeros.to(at::kFloat).unsqueeze(-1)) * scales.to(at::kFloat).unsqueeze(-1);
+  const at::Tensor s = scales.to(at::kFloat).unsqueeze(-1);
+  const at::Tensor z = zeros.to(at::kFloat).unsqueeze(-1);
+  const at::Tensor w = zeros.scalar_type() == at::kByte ? (q_groups - z) * s : (q_groups - 8) * s + z;
   return w.view({n, k});
 }
 

@@ -18,7 +18,7 @@ void linear_w4a16_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   check_linear_w4a16_args(out, x, packed, scales, zeros, group_size);
   const auto stream_kernel = [&](at::Tensor& out2, const at::Tensor& x2, cudaStream_t stream) {
     return kernels::gemv_w4a16(out2.data_ptr(), x2.const_data_ptr(), x2.stride(0), packed.const_data_ptr<int32_t>(),
-                               scales.const_data_ptr(), zeros.const_data_ptr<uint8_t>(),
+                               scales.const_data_ptr(), zeros.const_data_ptr(), zeros.scalar_type() != at::kByte,
                                static_cast<int>(x2.size(0)), static_cast<int>(out2.size(1)),
                                static_cast<int>(x2.size(1)), static_cast<int>(group_size),
                                sm_count(x.device().index()), kernel_dtype(x), kernel_dtype(scales), stream);

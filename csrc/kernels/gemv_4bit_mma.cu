@@ -72,6 +72,14 @@ __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
 }
 
 template <typename T>
+__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+  using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+  T2 r = __hfma2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b),
+                 *reinterpret_cast<const T2*>(&c));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+template <typename T>
 __device__ __forceinline__ uint32_t broadcast2(T v) {
   const uint32_t bits = *reinterpret_cast<const uint16_t*>(&v);
   return bits | (bits << 16);
@@ -102,6 +110,31 @@ struct Int4Format {
     const uint32_t hi = s < 2 ? xv.z : xv.w;  // k 8j + s + 4 in word 2 + s / 2
     return __byte_perm(lo, hi, s % 2 == 0 ? 0x5410 : 0x7632);
   }
+};
+
+// Int4 with a scale and a float zero per group, torchao's tinygemm form: w = (q - 8) * s + z,
+// rounded once to T by one fused multiply-add as tinygemm's own dequantization does (__hfma2):
+// the same pairs as Int4Format, then (M + q) - (M + 8) = q - 8 exactly and one hfma2.
+template <typename T>
+struct Int4OffsetFormat {
+  const T* scales;  // [n, groups]
+  const T* zeros;   // [n, groups]: added after scaling
+  int group_size;
+
+  struct Piece {
+    uint32_t zero2, scale2;
+    __device__ __forceinline__ uint32_t pair(uint32_t word, int s) const {
+      const uint32_t magic2 = Magic<T>::kBits | (Magic<T>::kBits << 16);
+      const uint32_t centre2 = broadcast2<T>(static_cast<T>(Magic<T>::kValue + 8.f));
+      return fma2<T>(sub2<T>(lop3_and_or(word >> (4 * s), 0x000F000Fu, magic2), centre2), scale2, zero2);
+    }
+  };
+  __device__ __forceinline__ Piece piece(int row, int groups, int p) const {
+    const int64_t at = static_cast<int64_t>(row) * groups + p * 32 / group_size;
+    return {broadcast2<T>(zeros[at]), broadcast2<T>(scales[at])};
+  }
+  __device__ __forceinline__ int groups(int k) const { return k / group_size; }
+  static __device__ __forceinline__ uint32_t x_pair(const uint4& xv, int s) { return Int4Format<T>::x_pair(xv, s); }
 };
 
 // NF4 (bitsandbytes): pair s of a word = byte s, k (8j + 2s, 8j + 2s + 1) in its high and low
@@ -219,6 +252,7 @@ __global__ void __launch_bounds__(kSplit * 32)
 // one step each in flight at 50 registers; int4 with up to 4 tiles an SM (qkv) is fastest at
 // 8 warps x 4 steps, larger ones (gate/up) at 8 x 2 (64 registers: 4 CTAs an SM, where 4 steps'
 // 74 allow 3). NF4's codebook lookups make it issue-bound sooner: one step in flight throughout.
+// Int4 with float zeros (torchao) keeps 2 steps past 2 tiles an SM (not measured apart yet).
 template <template <typename> class F, typename Make>
 cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packed, int m, int n,
                    int k, int num_sms, DType dtype, cudaStream_t stream, Make make_format) {
@@ -239,6 +273,8 @@ cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packe
       if constexpr (std::is_same_v<F<T>, Int4Format<T>>) {
         if (tiles <= 4 * num_sms) return go.template operator()<4, 8>();
         return go.template operator()<2, 8>();
+      } else if constexpr (std::is_same_v<F<T>, Int4OffsetFormat<T>>) {
+        return go.template operator()<2, 8>();  // 4 steps in flight spill 3 registers (the zero pairs)
       } else {
         return go.template operator()<1, 8>();
       }
@@ -257,12 +293,18 @@ bool quant_mma_enabled() {
 }
 
 cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int32_t* packed,
-                           const void* scales, const uint8_t* zeros, int m, int n, int k,
+                           const void* scales, const void* zeros, bool float_zeros, int m, int n, int k,
                            int group_size, int num_sms, DType dtype, cudaStream_t stream) {
   if (m > 8 || group_size <= 0 || group_size % 32 != 0 || k % group_size != 0) return cudaErrorInvalidValue;
+  if (float_zeros) {
+    return launch<Int4OffsetFormat>(out, x, x_stride, packed, m, n, k, num_sms, dtype, stream, [&](auto tag) {
+      using T = decltype(tag);
+      return Int4OffsetFormat<T>{static_cast<const T*>(scales), static_cast<const T*>(zeros), group_size};
+    });
+  }
   return launch<Int4Format>(out, x, x_stride, packed, m, n, k, num_sms, dtype, stream, [&](auto tag) {
     using T = decltype(tag);
-    return Int4Format<T>{static_cast<const T*>(scales), zeros, group_size};
+    return Int4Format<T>{static_cast<const T*>(scales), static_cast<const uint8_t*>(zeros), group_size};
   });
 }
 

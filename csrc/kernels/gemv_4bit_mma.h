@@ -11,11 +11,12 @@
 namespace pagedkv::kernels {
 
 // num_sms: the device's SM count (the launch plan compares the tile count with it).
-// Same operands and layout as gemv_w4a16 (gemv_w4a16.h), with scales in x's dtype (dtype) and
-// m <= 8. Each weight is dequantized to that dtype ((q - z) * s rounded once, as PyTorch's
-// dequantization in that dtype), products summed in fp32.
+// Same operands and layout as gemv_w4a16 (gemv_w4a16.h), with scales (and float zeros) in x's
+// dtype (dtype) and m <= 8. Each weight is dequantized to that dtype ((q - z) * s rounded once, as
+// PyTorch's dequantization in that dtype; float zeros: (q - 8) * s + z by one fused multiply-add,
+// as tinygemm's), products summed in fp32.
 cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int32_t* packed,
-                           const void* scales, const uint8_t* zeros, int m, int n, int k,
+                           const void* scales, const void* zeros, bool float_zeros, int m, int n, int k,
                            int group_size, int num_sms, DType dtype, cudaStream_t stream);
 
 // Same operands and layout as gemv_nf4 (gemv_nf4.h), m <= 8. Each weight is code[q] * absmax in

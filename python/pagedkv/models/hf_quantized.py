@@ -6,6 +6,8 @@ packed tensors, never dequantized:
                        weight_scale, weight_shape) and weight-only FP8 float-quantized (weight,
                        weight_scale); a layer transformers' forward already decompressed: its weight
     transformers       FP8Linear (FineGrainedFP8: weight, weight_scale_inv; dynamic activations)
+    torchao            nn.Linear whose weight is an Int4TilePackedTo4dTensor (Int4WeightOnlyConfig,
+                       tile_packed_to_4d): its qdata and scale_and_zero, as its checkpoint stores them
 
 A quantized module's state dict holds the names its checkpoint stores, so the model's tensors are
 read as a checkpoint (models/quantized_checkpoint.py read_quantized, its converters and kernel
@@ -40,7 +42,9 @@ from pagedkv.quant.formats import QuantFormat, quant_format
 
 SUPPORTED = ("bitsandbytes Linear4bit with quant_type 'nf4', compressed-tensors W4A16 (pack-quantized) or "
              "weight-only FP8 (float-quantized) linears, transformers' FP8Linear (FineGrainedFP8, dynamic "
-             "activations), in the decoder layers' q/k/v/o and gate/up/down projections")
+             "activations), torchao Int4WeightOnlyConfig (tile_packed_to_4d), in the decoder layers' q/k/v/o "
+             "and gate/up/down projections")
+TORCHAO_INT4_CLASS = "Int4TilePackedTo4dTensor"
 # The decoder linears a quantized module may hold (models/llama.py's layout, one per projection).
 _LINEAR_NAME = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
 _BNB_NF4_CLASSES = ("Linear4bit", "LinearNF4")
@@ -114,6 +118,9 @@ def quantized_state(model, quantized_types: tuple[str, ...]) -> tuple:
     items: list[tuple[str, tuple]] = []
     for name, m in found.modules.items():
         tensors = dict(m._parameters) | dict(m._buffers)
+        if _torchao_weight(m) is not None:  # a wrapper of no storage: its inner tensors
+            tensors = {f"weight.{k}": getattr(m.weight, k) for k in m.weight.tensor_data_names} | \
+                {k: t for k, t in tensors.items() if k != "weight"}
         state = getattr(m._parameters.get("weight"), "quant_state", None)
         if state is not None:
             items.append((f"{name}.weight.quant_state (packed)", ("module", type(state), id(state))))
@@ -128,10 +135,18 @@ def quantized_state(model, quantized_types: tuple[str, ...]) -> tuple:
 
 
 def _is_quantized(m: nn.Module) -> bool:
-    """A module that holds (or held: compressed-tensors decompressed) a quantized weight."""
+    """A module that holds (or held: compressed-tensors decompressed) a quantized weight, or a
+    weight of a tensor subclass (torchao's)."""
     kind = type(m)
     return (kind.__module__.startswith("bitsandbytes") or kind.__name__ == "FP8Linear"
-            or getattr(m, "quantization_scheme", None) is not None or _quantized(m))
+            or getattr(m, "quantization_scheme", None) is not None or _quantized(m)
+            or any(type(p) not in (torch.Tensor, nn.Parameter) for p in m.parameters(recurse=False)))
+
+
+def _torchao_weight(m: nn.Module) -> torch.Tensor | None:
+    """m's weight if it is torchao's tinygemm int4 tensor, else None."""
+    weight = m._parameters.get("weight")
+    return weight if type(weight).__name__ == TORCHAO_INT4_CLASS else None
 
 
 def _module_reason(name: str, m: nn.Module, fmt: QuantFormat) -> str | None:
@@ -152,6 +167,16 @@ def _module_reason(name: str, m: nn.Module, fmt: QuantFormat) -> str | None:
             return "FineGrainedFP8 layers must be transformers' FP8Linear with float8_e4m3fn weights"
         if getattr(m, "activation_scheme", "dynamic") != "dynamic":
             return f"activation_scheme {m.activation_scheme!r}; supported: 'dynamic'"
+        return None
+    if fmt.name == "torchao int4":
+        weight = _torchao_weight(m)
+        if kind is not nn.Linear or weight is None:
+            kind_of = type(m._parameters.get("weight")).__name__
+            return f"torchao int4 layers must be torch.nn.Linear with an {TORCHAO_INT4_CLASS} weight, not {kind_of}"
+        if list(weight.block_size) != [1, fmt.group_size]:
+            return f"block_size {list(weight.block_size)}; the config's group_size makes it [1, {fmt.group_size}]"
+        if getattr(weight, "act_pre_scale", None) is not None:
+            return "act_pre_scale is set (activation pre-scaling); supported: torchao int4 layers without it"
         return None
     if fmt.name.startswith("compressed-tensors"):
         if kind is not nn.Linear or getattr(m, "quantization_scheme", None) is None:
@@ -182,7 +207,12 @@ class _ModelTensors:
                 self.files |= {f"{name}.{k}": p.detach() for k, p in m._parameters.items() if p is not None}
                 continue
             weight = m._parameters.get("weight")
-            if weight is not None and weight.is_floating_point() and weight.element_size() > 1 \
+            if _torchao_weight(m) is not None:  # its checkpoint's names (quant/torchao_int4.py)
+                self.files |= {f"{name}._weight_qdata": weight.qdata, f"{name}._weight_scale_and_zero":
+                               weight.scale_and_zero}
+                if m._parameters.get("bias") is not None:
+                    self.files[f"{name}.bias"] = m.bias.detach()
+            elif weight is not None and weight.is_floating_point() and weight.element_size() > 1 \
                     and getattr(weight, "quant_state", None) is None:  # decompressed: dense
                 self.files |= {f"{name}.{k}": p.detach() for k in ("weight", "bias")
                                if (p := m._parameters.get(k)) is not None}

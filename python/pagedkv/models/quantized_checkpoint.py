@@ -2,7 +2,8 @@
 layers read once from its stored tensors into its kernel's layout, never dequantized:
 
     int4 (W4A16)  AWQ, GPTQ (qweight, qzeros, scales[, g_idx]); compressed-tensors pack-quantized
-                  (weight_packed, weight_scale, weight_shape) -> quant.pack_w4a16
+                  (weight_packed, weight_scale, weight_shape); torchao tile_packed_to_4d
+                  (_weight_qdata, _weight_scale_and_zero: float zeros) -> quant.pack_w4a16
     FP8           FineGrainedFP8 (weight, weight_scale_inv); compressed-tensors float-quantized
                   (weight, weight_scale) -> quant.Fp8Weight as stored
     NF4           bitsandbytes (weight, weight.absmax, weight.quant_map, [weight.nested_*],
@@ -39,12 +40,15 @@ from pagedkv.quant.int4 import Int4Weight, from_awq, from_compressed_tensors_int
 from pagedkv.quant.linear import pack_w4a16
 from pagedkv.quant.linear_nf4 import pack_nf4
 from pagedkv.quant.nf4 import Nf4Weight, from_bnb_nf4
+from pagedkv.quant.torchao_int4 import from_torchao_tile_packed
 
 __all__ = ["QuantFormat", "quant_format", "read_quantized"]
 # The tensor that marks a linear as quantized in each format (absent: left unquantized, dense)
 MARKERS = {"awq": "qweight", "gptq": "qweight", "compressed-tensors w4a16": "weight_packed",
            "fp8": "weight_scale_inv", "compressed-tensors fp8": "weight_scale",
-           "bitsandbytes nf4": "weight.quant_state.bitsandbytes__nf4"}
+           "bitsandbytes nf4": "weight.quant_state.bitsandbytes__nf4", "torchao int4": "_weight_qdata"}
+# torchao's optional inner tensors that change what a weight computes (AWQ-style activation scales)
+TORCHAO_REFUSED = ("_weight_act_pre_scale",)
 Quantized = Int4Weight | Fp8Weight | Nf4Weight
 
 
@@ -76,7 +80,8 @@ def read_quantized(model, reader, fmt: QuantFormat, device: torch.device, dtype:
                 return reader.read(f"{prefix}.weight")
             return dense(f"{prefix}.weight")
         try:
-            w = _read_linear(reader, prefix, fmt)
+            shape = None if expert else tuple(params[f"{prefix}.weight"].shape)
+            w = _read_linear(reader, prefix, fmt, shape)
         except ValueError as error:
             raise ValueError(f"pagedkv: {prefix} in {reader.where(marker)}: {error}") from None
         if expert:
@@ -131,11 +136,22 @@ def read_quantized(model, reader, fmt: QuantFormat, device: torch.device, dtype:
     )
 
 
-def _read_linear(reader, prefix: str, fmt: QuantFormat) -> Quantized:
-    """One linear's stored tensors through its format's reader (quant/) -> its canonical form."""
+def _read_linear(reader, prefix: str, fmt: QuantFormat, shape: tuple[int, int] | None = None) -> Quantized:
+    """One linear's stored tensors through its format's reader (quant/) -> its canonical form.
+    shape: the linear's [out, in] (torchao stores it padded; None: an expert's, refused there)."""
     def read(*names: str) -> dict[str, torch.Tensor]:
         return {name: reader.read(f"{prefix}.{name}") for name in names}
 
+    if fmt.name == "torchao int4":
+        if shape is None:
+            raise ValueError("torchao int4 experts are not read (supported: torchao int4 decoder linears; "
+                             "MoE experts as FP8 or AWQ/GPTQ/compressed-tensors int4)")
+        for extra in TORCHAO_REFUSED:
+            if f"{prefix}.{extra}" in reader.files:
+                raise ValueError(f"{extra} is stored (activation pre-scaling); supported: torchao int4 layers "
+                                 "without it")
+        return from_torchao_tile_packed(reader.read(f"{prefix}._weight_qdata"),
+                                        reader.read(f"{prefix}._weight_scale_and_zero"), *shape, fmt.group_size)
     if fmt.name == "awq":
         return from_awq(**read("qweight", "qzeros", "scales"), group_size=fmt.group_size)
     if fmt.name == "gptq":
@@ -168,7 +184,8 @@ def _stack(parts: list) -> Quantized | None:
         return None
     if isinstance(first, Int4Weight):
         for p in parts[1:]:
-            if p.group_size != first.group_size or p.scales.dtype != first.scales.dtype:
+            if (p.group_size != first.group_size or p.scales.dtype != first.scales.dtype
+                    or p.zeros.dtype != first.zeros.dtype):
                 return None
             if (p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm)):
                 return None

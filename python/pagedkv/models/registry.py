@@ -9,7 +9,7 @@ from torch import nn
 
 from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, rope_type
 from pagedkv.models.fallback import fallback_reason
-from pagedkv.models.hf_quantized import QuantizedLinears, find_quantized
+from pagedkv.models.hf_quantized import SUPPORTED as SUPPORTED_QUANTIZED, QuantizedLinears, find_quantized
 from pagedkv.models.cohere import COHERE_MODEL_TYPES, cohere_reason
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, gemma_reason
 from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES
@@ -143,13 +143,21 @@ def _fallback_path_reason(model, placement: bool) -> str | None:
     reason = head_dim_reason(config, SUPPORTED_HEAD_DIMS)
     if reason is not None:
         return reason
-    return _placement_reason(model, placement)
+    return _placement_reason(model, placement, subclasses=True)  # HF's modules compute with them
 
 
-def _placement_reason(model, placement: bool, quantized: set[int] = frozenset()) -> str | None:
-    """Its parameters' dtype (one, floating; `quantized`: ids of packed ones, read as such) and,
-    with placement, their one device."""
+def _placement_reason(model, placement: bool, quantized: set[int] = frozenset(),
+                      subclasses: bool = False) -> str | None:
+    """Its parameters' dtype (one, floating; `quantized`: ids of packed ones, read as such), their
+    kind (plain tensors, unless `subclasses`) and, with placement, their one device."""
     params = list(model.parameters())
+    for name, p in ([] if subclasses else model.named_parameters()):
+        if id(p) not in quantized and type(p) not in (torch.Tensor, nn.Parameter):
+            kind = type(p)
+            return (f"parameter {name} is a {kind.__name__} from {kind.__module__} (a tensor subclass, e.g. "
+                    "torchao's quantize_): pagedkv's own forward reads plain tensors; supported quantized: "
+                    f"a model transformers loaded with {SUPPORTED_QUANTIZED}, or a checkpoint through "
+                    "pagedkv.from_pretrained_quantized")
     dtypes = {p.dtype for p in params if id(p) not in quantized}
     if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
         return (f"parameter dtypes {sorted(map(str, dtypes))} are not supported; supported: one of "

@@ -8,6 +8,8 @@ naming the field, its value and what is allowed.
      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {...}, "input_activations": ...}}}
     {"quant_method": "bitsandbytes", "load_in_4bit": true, "bnb_4bit_quant_type": "nf4",
      "bnb_4bit_use_double_quant": true}
+    {"quant_method": "torchao", "quant_type": {"default": {"_type": "Int4WeightOnlyConfig", "_version": 2,
+     "_data": {"group_size": 128, "int4_packing_format": "tile_packed_to_4d", ...}}}}
 
 pagedkv computes with the weights only: activations stay in the model's dtype. A
 FineGrainedFP8 checkpoint (activation_scheme "dynamic": per-group activation scales at run
@@ -28,7 +30,9 @@ CT_FP8_STRATEGIES = ("channel", "tensor", "block")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QuantFormat:
-    name: str  # "awq", "gptq", "fp8", "compressed-tensors w4a16", "compressed-tensors fp8", "bitsandbytes nf4"
+    # "awq", "gptq", "fp8", "compressed-tensors w4a16", "compressed-tensors fp8", "bitsandbytes nf4",
+    # "torchao int4"
+    name: str
     weights: str  # the kernel it runs: "int4", "fp8" or "nf4"
     group_size: int = 0  # int4: input columns a group (-1: all of them)
     zero_offset: bool = False  # GPTQ's historical format: zeros stored as zero - 1
@@ -44,10 +48,11 @@ def quant_format(quant_config) -> QuantFormat:
     q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
     method = str(q.get("quant_method", "")).lower()
     readers = {"awq": _int4, "gptq": _int4, "fp8": _finegrained_fp8, "compressed-tensors": _compressed_tensors,
-               "bitsandbytes": _bitsandbytes}
+               "bitsandbytes": _bitsandbytes, "torchao": _torchao}
     if method not in readers:
         raise _refuse(q, "quant_method", "'awq', 'gptq' (int4), 'fp8' (FineGrainedFP8), 'compressed-tensors' "
-                      "(W4A16 pack-quantized, FP8 float-quantized), 'bitsandbytes' (NF4)")
+                      "(W4A16 pack-quantized, FP8 float-quantized), 'bitsandbytes' (NF4), 'torchao' (int4 "
+                      "weight-only, tile_packed_to_4d)")
     return readers[method](q, method)
 
 
@@ -160,3 +165,34 @@ def _bitsandbytes(q: dict, method: str) -> QuantFormat:
     if str(q.get("bnb_4bit_quant_type", "fp4")).lower() != "nf4":
         raise _refuse(q, "bnb_4bit_quant_type", "'nf4'")
     return QuantFormat("bitsandbytes nf4", "nf4")
+
+
+TORCHAO_INT4_PACKING = "tile_packed_to_4d"  # tinygemm's layout (quant/torchao_int4.py)
+TORCHAO_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes tinygemm's kernel takes
+
+
+def _torchao(q: dict, method: str) -> QuantFormat:
+    """transformers' TorchAoConfig: one torchao config for every linear, as torchao serializes it
+    (config_to_dict: {"_type", "_version", "_data"}; an enum value as {"_type", "_data": NAME})."""
+    quant_type = q.get("quant_type")
+    if not isinstance(quant_type, dict) or set(quant_type) != {"default"} or not isinstance(quant_type["default"], dict):
+        raise _refuse(q, "quant_type", "{'default': <a serialized torchao config>} (torchao's version-1 "
+                      "string configs store pickled tensors pagedkv does not read)")
+    config = quant_type["default"]
+    data = config.get("_data") or {}
+    if config.get("_type") != "Int4WeightOnlyConfig" or config.get("_version") != 2:
+        raise _refuse(q, "quant_type", "Int4WeightOnlyConfig version 2",
+                      f"{config.get('_type')} version {config.get('_version')}")
+    packing = data.get("int4_packing_format")
+    if isinstance(packing, dict):  # an enum: {"_type": "Int4PackingFormat", "_data": "TILE_PACKED_TO_4D"}
+        packing = packing.get("_data")
+    if str(packing).lower() != TORCHAO_INT4_PACKING:
+        raise _refuse(q, "quant_type.int4_packing_format", f"'{TORCHAO_INT4_PACKING}' (tinygemm's layout; "
+                      "'plain' and 'preshuffled' need mslk/fbgemm kernels to be written)", packing)
+    group_size = data.get("group_size")
+    if group_size not in TORCHAO_GROUP_SIZES:
+        raise _refuse(q, "quant_type.group_size", ", ".join(map(str, TORCHAO_GROUP_SIZES)), group_size)
+    if q.get("include_input_output_embeddings"):
+        raise _refuse(q, "include_input_output_embeddings", "false (pagedkv runs the embedding and LM head in "
+                      "the activations' dtype)")
+    return QuantFormat("torchao int4", "int4", group_size)

@@ -17,6 +17,8 @@ dequantizes ``w = (q - zero) * scale``; they differ only in how the bits are lai
 The canonical form (Int4Weight) is output-major, one row per output column as a linear layer's
 weight: q [out, in] uint8, scales and zeros [out, in/g]. A desc_act layer's input columns are
 sorted by group so that every group is g consecutive columns again; `perm` records the sort.
+torchao's tinygemm checkpoints (quant/torchao_int4.py) have float zeros added after scaling:
+``w = (q - 8) * scale + zero``, zeros in the scales' dtype.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ _SHIFTS = tuple(range(0, 32, 4))
 @dataclasses.dataclass(slots=True)
 class Int4Weight:
     """One linear layer's int4 weight: W[:, perm[c]] = (q[:, c] - zeros[:, c // g]) * scales[:, c // g]
-    (perm None: the identity)."""
+    (perm None: the identity); float zeros: (q[:, c] - 8) * scales[:, c // g] + zeros[:, c // g]."""
 
     q: torch.Tensor  # [out, in] uint8, 0..15
     scales: torch.Tensor  # [out, in / g], the checkpoint's float dtype
-    zeros: torch.Tensor  # [out, in / g] uint8, 0..16 (GPTQ's historical offset can make 16)
+    # [out, in / g] uint8, 0..16 (GPTQ's historical offset can make 16); or the scales' dtype
+    zeros: torch.Tensor
     group_size: int  # g
     perm: torch.Tensor | None  # [in] int64: canonical column c multiplies input column perm[c]
 
@@ -47,13 +50,19 @@ def dequantize(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tenso
     """[out, in] weight in the layer's own input order, computed in fp32 (exact) then cast."""
     out_features, in_features = w.q.shape
     groups = w.q.float().view(out_features, -1, w.group_size)  # [out, in/g, g]
-    sorted_w = (groups - w.zeros.float().unsqueeze(-1)) * w.scales.float().unsqueeze(-1)
+    scales, zeros = w.scales.float().unsqueeze(-1), w.zeros.float().unsqueeze(-1)
+    sorted_w = (groups - 8) * scales + zeros if has_float_zeros(w) else (groups - zeros) * scales
     sorted_w = sorted_w.view(out_features, in_features)
     if w.perm is None:
         return sorted_w.to(dtype)
     weight = torch.empty_like(sorted_w)
     weight[:, w.perm] = sorted_w
     return weight.to(dtype)
+
+
+def has_float_zeros(w: Int4Weight) -> bool:
+    """Whether w's zeros are added after scaling (torchao's form) rather than zero points."""
+    return w.zeros.is_floating_point()
 
 
 def _unpack(words: torch.Tensor) -> torch.Tensor:

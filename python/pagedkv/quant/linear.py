@@ -4,7 +4,8 @@ The layout (W4A16Weight) is the canonical form (int4.Int4Weight) with q packed a
 dimension, 8 values an int32 word, column 8w + e of a row in bits 4e..4e+3 of its word w: each
 output row is a contiguous run of k/2 bytes, which the CUDA kernel streams in 16-byte pieces of
 32 columns (one group's scale and zero each, since g is a multiple of 32). Scales stay in the
-checkpoint's 16-bit dtype, zeros are bytes: 4.19 bits a weight at g = 128.
+checkpoint's 16-bit dtype, zeros are bytes (4.19 bits a weight at g = 128), or float zeros in the
+scales' dtype (torchao's tinygemm form, W = (q - 8) * scales + zeros: 4.25 bits a weight).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class W4A16Weight:
 
     packed: torch.Tensor  # [out, in / 8] int32
     scales: torch.Tensor  # [out, in / g] float16 or bfloat16
-    zeros: torch.Tensor  # [out, in / g] uint8
+    zeros: torch.Tensor  # [out, in / g] uint8, or the scales' dtype (float zeros)
     group_size: int
     perm: torch.Tensor | None  # [in] int64: x's columns in the order of the packed columns (desc_act)
 
@@ -41,16 +42,18 @@ def pack_w4a16(w: Int4Weight) -> W4A16Weight:
     nibble_pairs = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [out, in / 2] uint8
     perm = None if w.perm is None else w.perm.to(torch.int64)
     return W4A16Weight(packed=nibble_pairs.view(torch.int32), scales=w.scales.contiguous(),
-                       zeros=w.zeros.to(torch.uint8).contiguous(), group_size=w.group_size, perm=perm)
+                       zeros=(w.zeros if w.zeros.is_floating_point() else w.zeros.to(torch.uint8)).contiguous(),
+                       group_size=w.group_size, perm=perm)
 
 
 def linear_w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, perm: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """out = x @ W^T with W [n, k] = (q - zeros) * scales per group of group_size input columns.
+    """out = x @ W^T with W [n, k] = (q - zeros) * scales per group of group_size input columns
+    (zeros uint8), or (q - 8) * scales + zeros (zeros in the scales' dtype: torchao's form).
 
     x: [..., k] float32/float16/bfloat16 (last dim contiguous); packed: [n, k / 8] int32 (see
-    the module docstring); scales: [n, k / g] float16/bfloat16; zeros: [n, k / g] uint8;
+    the module docstring); scales: [n, k / g] float16/bfloat16; zeros: [n, k / g] uint8 or scales' dtype;
     group_size: a multiple of 32 dividing k; perm: [k] int64 or None: x's columns are taken in
     this order first (desc_act layers: a gather, then the op); out: [..., n] in x's dtype or
     None. fp32 accumulation. On CUDA, 1-8 rows of 16-bit x stream the packed weight through

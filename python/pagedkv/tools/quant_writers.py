@@ -9,6 +9,11 @@ writes checkpoints of a 7B shape with them, so they are vectorized and run on w'
     to_bnb_nf4                  bitsandbytes' serialized Params4bit (NF4, with or without double
                                 quantization): weight, weight.absmax, weight.quant_map, ...
     ct_config                   a compressed-tensors quantization_config as llm-compressor writes it
+    to_torchao_int4             torchao's Int4WeightOnlyConfig "tile_packed_to_4d" as transformers
+                                saves it: _weight_qdata, _weight_scale_and_zero (tinygemm_qparams:
+                                its qparams; the packing is pagedkv.quant.torchao_int4's, checked
+                                against torch's own packing kernel by tests/test_quant_torchao_int4.py)
+    torchao_int4_config         transformers' TorchAoConfig(Int4WeightOnlyConfig(...)).to_dict()
 
 Each format's own dequantization formula, transcribed loop by loop from its package, stays in
 tests/ (fp8_formats.py, int4_formats.py, nf4_formats.py): the references these are checked
@@ -20,6 +25,8 @@ from __future__ import annotations
 import json
 
 import torch
+
+from pagedkv.quant.torchao_int4 import K_PAD, N_PAD, pack_tile_packed
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -155,3 +162,35 @@ def ct_config(fmt: str, weights: dict, input_activations: dict | None = None) ->
              "input_activations": input_activations, "output_activations": None}
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
             "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+def tinygemm_qparams(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] uint8 0..15, scale and zero [N, K / g] bf16) as torchao's tinygemm
+    qparams make them: scale = (max - min) / 15, zero = min + 8 scale, w ~ (q - 8) scale + zero."""
+    groups = w.float().view(w.shape[0], -1, group_size)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low).clamp(min=1e-6) / 15).to(torch.bfloat16)
+    zero = (low + 8 * scale.float()).to(torch.bfloat16)
+    q = ((groups - zero.float()) / scale.float() + 8).round().clamp(0, 15).to(torch.uint8)
+    return q.view(w.shape), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def to_torchao_int4(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """A linear's weight as transformers saves a torchao Int4TilePackedTo4dTensor (the module's
+    tensors `_weight_qdata` [N' / 8, K' / 128, 32, 4] int32 and `_weight_scale_and_zero`
+    [K' / g, N', 2] bf16, N and K padded to 8 and 1024 as torchao pads them)."""
+    q, scale, zero = tinygemm_qparams(w, group_size)
+    n, k = q.shape
+    k_pad, n_pad = -(-k // K_PAD) * K_PAD, -(-n // N_PAD) * N_PAD
+    scale_and_zero = torch.zeros(k_pad // group_size, n_pad, 2, dtype=torch.bfloat16, device=w.device)
+    scale_and_zero[:k // group_size, :n] = torch.stack([scale.t(), zero.t()], dim=-1)
+    return {"_weight_qdata": pack_tile_packed(q), "_weight_scale_and_zero": scale_and_zero}
+
+
+def torchao_int4_config(group_size: int = 128, packing: str = "tile_packed_to_4d") -> dict:
+    """transformers' TorchAoConfig(quant_type=Int4WeightOnlyConfig(group_size, packing, hqq)).to_dict()."""
+    data = {"group_size": group_size, "set_inductor_config": True, "int4_packing_format": packing,
+            "int4_choose_qparams_algorithm": "hqq", "int4_tile_packed_ntile": 8}
+    return {"quant_method": "torchao", "quant_type": {"default": {"_type": "Int4WeightOnlyConfig", "_version": 2,
+                                                                  "_data": data}},
+            "modules_to_not_convert": None, "include_input_output_embeddings": False, "untie_embedding_weights": False}
