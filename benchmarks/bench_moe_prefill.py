@@ -2,7 +2,9 @@
 (random bf16 weights), where every expert is hit. pagedkv with torch's grouped GEMM (one launch a
 projection, no host sync), pagedkv with one GEMM per hit expert (the form before it, still used
 where the grouped GEMM does not run), and HF eager (its own grouped_mm experts) in the same run,
-beside the compute bound: the step's matrix-product FLOPs over the bf16 GEMM rate measured here.
+beside the compute bound: the larger of the step's matrix-product FLOPs over the bf16 GEMM rate measured here and its
+weight bytes (every expert is hit; the embedding's rows aside) over the copy bandwidth measured
+here.
 
     python benchmarks/bench_moe_prefill.py [--out DIR] [--prompts 512,2048,8192] [--layers 16]
         [--no-hf] [--small]
@@ -27,6 +29,7 @@ from transformers import Qwen3MoeConfig
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_architectures import QWEN3_30B_A3B, build  # noqa: E402
 from bench_generate import seconds  # noqa: E402
+from timing import copy_bandwidth_gbs  # noqa: E402
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 
 import pagedkv  # noqa: E402
@@ -66,7 +69,14 @@ def main() -> None:
     model = build(Qwen3MoeConfig, QWEN3_30B_A3B, 2 if args.small else args.layers, device, dtype,
                   1024 if args.small else None)
     tflops = gemm_tflops(device, dtype, 1024 if args.small else 8192)
-    print(f"Qwen3-30B-A3B shape, {model.config.num_hidden_layers} layers; GEMM {tflops:.3g} TFLOP/s", flush=True)
+    gbs = copy_bandwidth_gbs(device, 1 << 26 if args.small else 1 << 30)
+    embed = model.get_input_embeddings().weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    if model.lm_head.weight is embed:  # tied: the LM head reads the table once
+        weight_bytes += embed.numel() * embed.element_size()
+    read_ms = 1e3 * weight_bytes / (gbs * 1e9)
+    print(f"Qwen3-30B-A3B shape, {model.config.num_hidden_layers} layers; GEMM {tflops:.3g} TFLOP/s; copy "
+          f"{gbs:.0f} GB/s: weights read once {read_ms:.1f} ms", flush=True)
 
     def pagedkv_prefill(ids: torch.Tensor) -> torch.Tensor:
         cache = pagedkv.kv_cache_of(model)
@@ -94,16 +104,16 @@ def main() -> None:
             print(f"  {tokens} tokens, {name}: {ms[name]:.1f} ms (warm-up {time.perf_counter() - start:.1f} s)",
                   flush=True)
             plot[name].append(ms[name])
-        bound = 1e3 * prefill_flops(model.config, tokens) / (tflops * 1e12)
+        bound = max(1e3 * prefill_flops(model.config, tokens) / (tflops * 1e12), read_ms)
         grouped, per_expert = ms["pagedkv, grouped GEMM"], ms["pagedkv, GEMM per expert"]
         hf = ms.get("HF eager")
         rows.append([tokens, f"{grouped:.1f}", f"{per_expert:.1f}", f"{hf:.1f}" if hf else "", f"{bound:.1f}",
                      f"{grouped / bound:.2f}x", f"{per_expert / grouped:.2f}x", f"{hf / grouped:.2f}x" if hf else ""])
     header = ["prompt tokens", "pagedkv grouped GEMM ms", "pagedkv GEMM per expert ms", "HF eager ms",
-              "compute bound ms", "grouped / bound", "speed-up vs per expert", "speed-up vs HF"]
+              "bound ms (compute or weight read)", "grouped / bound", "speed-up vs per expert", "speed-up vs HF"]
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     title = (f"MoE prefill (time to the first token), Qwen3-30B-A3B shape, {model.config.num_hidden_layers} layers, "
-             f"{str(dtype).split('.')[-1]}, batch 1; {where}; GEMM {tflops:.3g} TFLOP/s")
+             f"{str(dtype).split('.')[-1]}, batch 1; {where}; GEMM {tflops:.3g} TFLOP/s, copy {gbs:.0f} GB/s")
     save_table(args.out, "bench_moe_prefill", title, markdown_table(header, rows))
     save_bar_plot(args.out, "bench_moe_prefill", title.split(";")[0], [f"{t} tokens" for t in prompts], plot,
                   "ms to the first token")
