@@ -18,14 +18,16 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_architectures import GEMMA2_9B, QWEN3_30B_A3B, build  # noqa: E402
-from bench_generate import W1  # noqa: E402
+from bench_generate import W1, per_step_ms  # noqa: E402
 from transformers import Gemma2Config, Qwen2Config, Qwen3MoeConfig  # noqa: E402
 
 import pagedkv  # noqa: E402
-from pagedkv.tools.profiling import _busy_per_kernel  # noqa: E402
+from pagedkv.tools.profiling import _busy_per_kernel, _union_ms  # noqa: E402
 
 
-def kernel_us(fn) -> dict[str, float]:
+def kernel_us(fn) -> tuple[dict[str, float], float, float]:
+    """fn profiled: (us each kernel name holds the device alone, the kernels' union in us, their
+    span from the first start to the last end in us)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -34,7 +36,9 @@ def kernel_us(fn) -> dict[str, float]:
                if e.device_type == torch.autograd.DeviceType.CUDA]
     # Each kernel charged the time it holds the device alone (programmatic dependent launch
     # overlaps a kernel's wait with its predecessor: plain durations count that twice).
-    return {name: 1e3 * ms for name, (ms, _) in _busy_per_kernel(kernels).items()}
+    alone = {name: 1e3 * ms for name, (ms, _) in _busy_per_kernel(kernels).items()}
+    span = max(k[1] for k in kernels) - min(k[0] for k in kernels) if kernels else 0.0
+    return alone, 1e3 * _union_ms([(k[0], k[1]) for k in kernels]), span
 
 
 def main() -> None:
@@ -51,11 +55,21 @@ def main() -> None:
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
     run = lambda n: pagedkv.generate(model, ids, max_new_tokens=n, do_sample=False)  # noqa: E731
     run(1 + args.new)
-    short, long = kernel_us(lambda: run(1)), kernel_us(lambda: run(1 + args.new))
+    wall = per_step_ms(lambda i, n: pagedkv.generate(model, i, max_new_tokens=n, do_sample=False), ids, "cuda",
+                       args.new)
+    (short, short_union, short_span), (long, long_union, long_span) = (kernel_us(lambda: run(1)),
+                                                                      kernel_us(lambda: run(1 + args.new)))
     per_step = {k: (long.get(k, 0.0) - short.get(k, 0.0)) / args.new for k in long}
     total = sum(per_step.values())
+    busy, span = (long_union - short_union) / args.new / 1e3, (long_span - short_span) / args.new / 1e3
     print(f"{args.layers} layers, batch {args.batch}: {total / 1e3:.3f} ms of kernels a decode step "
           f"({total / args.layers:.1f} us a layer)")
+    # Where a step's wall time goes: kernels running; the device idle between them (launch
+    # latency, a dependent launch's release); outside the kernels' span (host work the device
+    # waited for between steps). The last from the profiled run, so it includes the profiler's own cost.
+    print(f"a decode step: {wall:.3f} ms wall (timed unprofiled); profiled: kernels' span {span:.3f} ms, busy "
+          f"{busy:.3f} ms, idle between kernels {span - busy:.3f} ms ({(span - busy) / args.layers * 1e3:.1f} us a "
+          f"layer)")
     for name, us in sorted(per_step.items(), key=lambda kv: -kv[1])[:25]:
         print(f"{us:9.1f} us  {us / args.layers:7.1f} us/layer  {name}")
 
