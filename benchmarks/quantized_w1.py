@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from pagedkv.tools.quant_writers import (ct_config, to_bnb_nf4, to_compressed_tensors_int4, to_finegrained,
-                                        to_torchao_int4, torchao_int4_config)
+from pagedkv.quant.formats import torchao_int4_config
+from pagedkv.tools.quant_writers import ct_config, to_bnb_nf4, to_compressed_tensors_int4, to_finegrained, to_torchao_int4
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

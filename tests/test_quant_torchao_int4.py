@@ -22,9 +22,9 @@ import pagedkv
 from conftest import DEVICES
 from models import tiny_model
 from pagedkv.quant import Int4Weight, dequantize, linear_w4a16_weight, pack_w4a16
-from pagedkv.quant.formats import quant_format
+from pagedkv.quant.formats import quant_format, torchao_int4_config
 from pagedkv.quant.torchao_int4 import from_torchao_tile_packed, pack_tile_packed, unpack_tile_packed
-from pagedkv.tools.quant_writers import tinygemm_qparams, to_torchao_int4, torchao_int4_config
+from pagedkv.tools.quant_writers import tinygemm_qparams, to_torchao_int4
 from tolerance import assert_close_to_baseline, assert_tokens_equal_up_to_near_tie
 
 GREEDY = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -228,3 +228,20 @@ def test_hf_model_quantized_by_torchao(tmp_path):
     assert torch.equal(pagedkv.generate(loaded, ids, **GREEDY), ours)
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "int4", device_map="cuda")
     assert torch.equal(pagedkv.generate(again, ids, **GREEDY), ours)
+
+
+@pytest.mark.cuda
+def test_model_quantized_by_torchao_quantize_alone():
+    """torchao's quantize_ without transformers (no quantization_config): pagedkv reads the format
+    from the weights themselves, with HF's tokens up to near-ties."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+    model = tiny_model("qwen3", dtype=torch.bfloat16, device="cuda")
+    quantize_(model.model.layers, Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+    assert not getattr(model.config, "quantization_config", None)
+    ids = torch.randint(3, model.config.vocab_size, (3, 6), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(2))
+    ours = pagedkv.generate(model, ids, **GREEDY)
+    hf = model.generate(ids, **GREEDY, output_logits=True, return_dict_in_generate=True)
+    assert_tokens_equal_up_to_near_tie(ours, hf, ids.shape[1])

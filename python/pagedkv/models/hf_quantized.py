@@ -38,7 +38,7 @@ from torch import nn
 from pagedkv.models.llama import DecoderWeights
 from pagedkv.models.module_path import _quantized
 from pagedkv.models.quantized_checkpoint import read_quantized
-from pagedkv.quant.formats import QuantFormat, quant_format
+from pagedkv.quant.formats import QuantFormat, quant_format, torchao_int4_config
 
 SUPPORTED = ("bitsandbytes Linear4bit with quant_type 'nf4', compressed-tensors W4A16 (pack-quantized) or "
              "weight-only FP8 (float-quantized) linears, transformers' FP8Linear (FineGrainedFP8, dynamic "
@@ -67,7 +67,7 @@ def find_quantized(model, quantized_types: tuple[str, ...]) -> QuantizedLinears 
     quantized tensors: e.g. transformers dequantized FP8 on a machine without a GPU); a
     QuantizedLinears pagedkv reads; else a sentence saying which module is refused and why.
     quantized_types: the model types whose decoder reads quantized linears (registry.py)."""
-    config = getattr(model.config, "quantization_config", None)
+    config = getattr(model.config, "quantization_config", None) or _torchao_int4_config(model)
     if not config:
         return None
     found = {name: m for name, m in model.named_modules() if _is_quantized(m)}
@@ -141,6 +141,17 @@ def _is_quantized(m: nn.Module) -> bool:
     return (kind.__module__.startswith("bitsandbytes") or kind.__name__ == "FP8Linear"
             or getattr(m, "quantization_scheme", None) is not None or _quantized(m)
             or any(type(p) not in (torch.Tensor, nn.Parameter) for p in m.parameters(recurse=False)))
+
+
+def _torchao_int4_config(model) -> dict | None:
+    """The quantization_config torchao's quantize_ leaves unwritten (it quantizes without
+    transformers), from the first decoder linear holding a tinygemm int4 weight; None if none does.
+    Other layers' group sizes are checked against it (_module_reason)."""
+    for name, m in model.named_modules():
+        weight = _torchao_weight(m)
+        if weight is not None and _LINEAR_NAME.fullmatch(name):
+            return torchao_int4_config(int(weight.block_size[-1]))
+    return None
 
 
 def _torchao_weight(m: nn.Module) -> torch.Tensor | None:

@@ -196,3 +196,13 @@ def _torchao(q: dict, method: str) -> QuantFormat:
         raise _refuse(q, "include_input_output_embeddings", "false (pagedkv runs the embedding and LM head in "
                       "the activations' dtype)")
     return QuantFormat("torchao int4", "int4", group_size)
+
+
+def torchao_int4_config(group_size: int = 128, packing: str = "tile_packed_to_4d") -> dict:
+    """transformers' TorchAoConfig(quant_type=Int4WeightOnlyConfig(group_size, packing, hqq)).to_dict():
+    what it writes into config.json (and what a model torchao's quantize_ quantized is read as)."""
+    data = {"group_size": group_size, "set_inductor_config": True, "int4_packing_format": packing,
+            "int4_choose_qparams_algorithm": "hqq", "int4_tile_packed_ntile": 8}
+    return {"quant_method": "torchao", "quant_type": {"default": {"_type": "Int4WeightOnlyConfig", "_version": 2,
+                                                                  "_data": data}},
+            "modules_to_not_convert": None, "include_input_output_embeddings": False, "untie_embedding_weights": False}

@@ -12,8 +12,8 @@ writes checkpoints of a 7B shape with them, so they are vectorized and run on w'
     to_torchao_int4             torchao's Int4WeightOnlyConfig "tile_packed_to_4d" as transformers
                                 saves it: _weight_qdata, _weight_scale_and_zero (tinygemm_qparams:
                                 its qparams; the packing is pagedkv.quant.torchao_int4's, checked
-                                against torch's own packing kernel by tests/test_quant_torchao_int4.py)
-    torchao_int4_config         transformers' TorchAoConfig(Int4WeightOnlyConfig(...)).to_dict()
+                                against torch's own packing kernel by tests/test_quant_torchao_int4.py;
+                                its config.json entry: pagedkv.quant.formats.torchao_int4_config)
 
 Each format's own dequantization formula, transcribed loop by loop from its package, stays in
 tests/ (fp8_formats.py, int4_formats.py, nf4_formats.py): the references these are checked
@@ -185,12 +185,3 @@ def to_torchao_int4(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]
     scale_and_zero = torch.zeros(k_pad // group_size, n_pad, 2, dtype=torch.bfloat16, device=w.device)
     scale_and_zero[:k // group_size, :n] = torch.stack([scale.t(), zero.t()], dim=-1)
     return {"_weight_qdata": pack_tile_packed(q), "_weight_scale_and_zero": scale_and_zero}
-
-
-def torchao_int4_config(group_size: int = 128, packing: str = "tile_packed_to_4d") -> dict:
-    """transformers' TorchAoConfig(quant_type=Int4WeightOnlyConfig(group_size, packing, hqq)).to_dict()."""
-    data = {"group_size": group_size, "set_inductor_config": True, "int4_packing_format": packing,
-            "int4_choose_qparams_algorithm": "hqq", "int4_tile_packed_ntile": 8}
-    return {"quant_method": "torchao", "quant_type": {"default": {"_type": "Int4WeightOnlyConfig", "_version": 2,
-                                                                  "_data": data}},
-            "modules_to_not_convert": None, "include_input_output_embeddings": False, "untie_embedding_weights": False}
