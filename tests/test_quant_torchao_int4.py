@@ -114,6 +114,23 @@ def test_linear_w4a16_float_zeros(device, dtype, group_size, in_features, out_fe
                              reference=F.linear(x.double(), dequantize(w, torch.float64).to(device)))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_float_zeros_on_every_launch_plan(rows):
+    """The tensor-core kernel's float-zero format at each tile count's plan, the last tile partial."""
+    from test_quant_int4 import launch_plan_widths
+
+    for out_features in launch_plan_widths():
+        w = tinygemm_quantize(torch.randn(out_features, 384) * 0.05, 128)
+        layer = pack_w4a16(w)
+        layer = dataclasses.replace(layer, packed=layer.packed.cuda(), scales=layer.scales.cuda(),
+                                    zeros=layer.zeros.cuda())
+        x = torch.randn(rows, 384, dtype=torch.bfloat16, device="cuda")
+        assert_close_to_baseline(linear_w4a16_weight(x, layer),
+                                 baseline=F.linear(x, dequantize(w, torch.bfloat16).cuda()),
+                                 reference=F.linear(x.double(), dequantize(w, torch.float64).cuda()))
+
+
 def test_reader_names_misshapen_tensors():
     w = tinygemm_quantize(torch.randn(16, 256), 64)
     qdata = pack_tile_packed(w.q)
