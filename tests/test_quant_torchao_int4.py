@@ -205,6 +205,76 @@ def test_checkpoint_tokens_equal_hf_on_the_dequantized_model(tmp_path, arch, gro
     assert torch.equal(pagedkv.generate(model, ids, **GREEDY), reference.generate(ids, **GREEDY))
 
 
+class Int4TilePackedTo4dTensor(torch.Tensor):
+    """A stand-in of torchao's tinygemm int4 weight (the class name, its inner tensors, block_size,
+    __tensor_flatten__; no compute), so the CPU runs the path of a model torchao quantized."""
+
+    tensor_data_names = ["qdata", "scale_and_zero"]
+
+    @staticmethod
+    def __new__(cls, qdata, scale_and_zero, block_size, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bfloat16, device=qdata.device)
+
+    def __init__(self, qdata, scale_and_zero, block_size, shape):
+        self.qdata, self.scale_and_zero, self.block_size = qdata, scale_and_zero, block_size
+
+    def __tensor_flatten__(self):
+        return self.tensor_data_names, [self.block_size, self.shape]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:  # nn.Parameter's
+            return cls(args[0].qdata, args[0].scale_and_zero, args[0].block_size, args[0].shape)
+        raise NotImplementedError(f"the stand-in computes nothing: {func}")
+
+
+def torchao_quantized(arch: str, group_size: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(a tiny model whose decoder linears hold stand-in tinygemm weights, as quantize_ leaves
+    them; the plain model holding their dequantized weights)."""
+    model = tiny_model(arch)
+    reference = copy.deepcopy(model)
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in LINEARS:
+            w = module.weight.detach()
+            stored = to_torchao_int4(w, group_size)
+            fake = Int4TilePackedTo4dTensor(stored["_weight_qdata"], stored["_weight_scale_and_zero"],
+                                            [1, group_size], w.shape)
+            module.weight = torch.nn.Parameter(fake, requires_grad=False)
+            reference.get_submodule(name).weight.data.copy_(dequantize(tinygemm_quantize(w, group_size)))
+    return model, reference
+
+
+@pytest.mark.parametrize("with_config", [True, False], ids=["transformers", "quantize_"])
+def test_model_torchao_quantized_runs_from_its_packed_tensors(with_config):
+    """A model transformers quantized with torchao (its quantization_config set), or torchao's
+    quantize_ alone (none): pagedkv reads the weights' inner tensors, with the tokens of HF on
+    the dequantized model; an in-place write to an inner tensor is seen by the next call."""
+    model, reference = torchao_quantized("llama", 64)
+    if with_config:
+        model.config.quantization_config = torchao_int4_config(64)
+    ids = torch.randint(3, reference.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    before = pagedkv.generate(model, ids, **GREEDY)
+    assert torch.equal(before, reference.generate(ids, **GREEDY))
+    layer = model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        layer.weight.scale_and_zero[..., 0].mul_(2)  # every scale doubled: W = (q - 8) 2s + z
+        reference.model.layers[0].mlp.down_proj.weight.copy_(dequantize(from_torchao_tile_packed(
+            layer.weight.qdata, layer.weight.scale_and_zero, *layer.weight.shape, 64)))
+    after = reference.generate(ids, **GREEDY)
+    assert not torch.equal(after, before)  # the write changes the tokens
+    assert torch.equal(pagedkv.generate(model, ids, **GREEDY), after)
+
+
+def test_mixed_group_sizes_are_refused_naming_the_layer():
+    model, _ = torchao_quantized("llama", 64)
+    w = model.model.layers[1].self_attn.o_proj.weight
+    model.model.layers[1].self_attn.o_proj.weight = torch.nn.Parameter(
+        Int4TilePackedTo4dTensor(w.qdata, w.scale_and_zero, [1, 128], w.shape), requires_grad=False)
+    with pytest.raises(pagedkv.UnsupportedModel, match=r"model.layers.1.self_attn.o_proj is a Linear .*block_size "
+                       r"\[1, 128\]; the config's group_size makes it \[1, 64\]"):
+        pagedkv.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+
+
 def test_a_torchao_subclass_weight_pagedkv_cannot_read_is_refused():
     """A weight of some other tensor subclass on pagedkv's own forward: a named refusal, not a
     failure deep in the weight copy (torchao's quantize_ with a config pagedkv does not read)."""
