@@ -265,6 +265,16 @@ def test_model_torchao_quantized_runs_from_its_packed_tensors(with_config):
     assert torch.equal(pagedkv.generate(model, ids, **GREEDY), after)
 
 
+def test_llm_on_the_torchao_model():
+    """pagedkv.LLM on the torchao-quantized model (chunked prefill beside decodes): HF's tokens on
+    the dequantized model, each prompt alone, nothing leaked."""
+    from test_quantized_checkpoints import assert_llm_matches
+
+    model, reference = torchao_quantized("qwen3", 32)
+    model.config.quantization_config = torchao_int4_config(32)
+    assert_llm_matches(model, reference)
+
+
 def test_mixed_group_sizes_are_refused_naming_the_layer():
     model, _ = torchao_quantized("llama", 64)
     w = model.model.layers[1].self_attn.o_proj.weight
