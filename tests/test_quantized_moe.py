@@ -118,25 +118,32 @@ def test_dequantize_experts_is_each_experts_own_dequantization(block):
                for _ in range(4)]
     stacked = Fp8Experts(torch.stack([e.weight for e in experts]), torch.stack([e.scales for e in experts]), block)
     ids = torch.tensor([2, 0, 2, 3])
-    got = dequantize_experts(stacked, ids, torch.float32)
-    assert torch.equal(got, torch.stack([dequantize_fp8(experts[e]) for e in ids.tolist()]))
+    want = torch.stack([dequantize_fp8(experts[e]) for e in ids.tolist()])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # the fp32 product rounded once
+        assert torch.equal(dequantize_experts(stacked, ids, dtype), want.to(dtype))
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("desc_act", [False, True])
-def test_dequantize_int4_experts_is_each_experts_own_dequantization(desc_act):
-    """Packed two values a byte, each expert its own column order (GPTQ desc_act) or none."""
+def test_dequantize_int4_experts_is_each_experts_own_dequantization(desc_act, scale_dtype):
+    """Packed two values a byte, each expert its own column order (GPTQ desc_act) or none; in
+    every dtype the fp32 value rounded once (the scales' own dtype takes a shorter way)."""
     from pagedkv.layers.moe_quantized import dequantize_all, dequantize_experts, pack_int4_experts
     from pagedkv.quant.int4 import dequantize, from_gptq
 
     orders = [desc_act, desc_act, False, desc_act]  # with desc_act, one expert without a column order
     experts = [from_gptq(**to_gptq(torch.randn(96, 256), 32, zero_offset=False, desc_act=order), group_size=32,
                          zero_offset=False) for order in orders]
+    for e in experts:
+        e.scales = e.scales.to(scale_dtype)
     assert [e.perm is not None for e in experts] == orders
     stacked = pack_int4_experts([e.q for e in experts], [e.scales for e in experts], [e.zeros for e in experts], 32,
                                 [e.perm for e in experts], "test")
     ids = torch.tensor([2, 0, 2, 3, 1])
     got = dequantize_experts(stacked, ids, torch.float32)
     assert torch.equal(got, torch.stack([dequantize(experts[e]) for e in ids.tolist()]))
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(dequantize_experts(stacked, ids, dtype), got.to(dtype))
     every = torch.stack([dequantize(e) for e in experts])
     for chunk in (1, 3, 4, 16):  # dequantize_all, chunk experts at a time (the last chunk short)
         assert torch.equal(dequantize_all(stacked, torch.float32, chunk), every)
