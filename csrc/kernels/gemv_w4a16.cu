@@ -32,22 +32,20 @@ struct W4A16 {
     __device__ __forceinline__ float dequantize(const uint4& piece, int p, float (&w)[kPieceCols]) const {
       const int g = p / pieces_per_group;
       const float scale = to_float(__ldg(scales + g));
-      const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
+      float zero;
       if constexpr (kFloatZeros) {
-        const float zero = to_float(__ldg(zeros + g));
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            w[8 * j + e] = fmaf(static_cast<float>((words[j] >> (4 * e)) & 0xFu) - 8.f, scale, zero);
+        zero = to_float(__ldg(zeros + g));
       } else {
-        const float zero = static_cast<float>(__ldg(zeros + g));
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            w[8 * j + e] = (static_cast<float>((words[j] >> (4 * e)) & 0xFu) - zero) * scale;
+        zero = static_cast<float>(__ldg(zeros + g));
       }
+      const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float q = static_cast<float>((words[j] >> (4 * e)) & 0xFu);
+          w[8 * j + e] = kFloatZeros ? fmaf(q - 8.f, scale, zero) : (q - zero) * scale;
+        }
       return 1.f;  // unused (kScalePartial is false)
     }
   };

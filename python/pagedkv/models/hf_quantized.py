@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from pagedkv.models.llama import DecoderWeights
-from pagedkv.models.module_path import _quantized
+from pagedkv.models.module_path import _quantized, tensor_subclass
 from pagedkv.models.quantized_checkpoint import read_quantized
 from pagedkv.quant.formats import QuantFormat, quant_format, torchao_int4_config
 
@@ -140,7 +140,7 @@ def _is_quantized(m: nn.Module) -> bool:
     kind = type(m)
     return (kind.__module__.startswith("bitsandbytes") or kind.__name__ == "FP8Linear"
             or getattr(m, "quantization_scheme", None) is not None or _quantized(m)
-            or any(type(p) not in (torch.Tensor, nn.Parameter) for p in m.parameters(recurse=False)))
+            or any(tensor_subclass(p) for p in m.parameters(recurse=False)))
 
 
 def _torchao_int4_config(model) -> dict | None:

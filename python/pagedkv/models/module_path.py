@@ -80,6 +80,12 @@ def path_reason(path: list[PathEntry], model_type: str) -> str | None:
     return None
 
 
+def tensor_subclass(t: torch.Tensor) -> bool:
+    """Whether t is a tensor subclass (e.g. torchao's quantized weights), not a plain tensor or
+    parameter: pagedkv's own forward reads plain ones only."""
+    return type(t) not in (torch.Tensor, nn.Parameter)
+
+
 def _quantized(module: nn.Module) -> bool:
     """Whether a module holds its weight quantized: a tensor of one byte an element (int8, uint8,
     FP8: bitsandbytes, FineGrainedFP8, compressed-tensors) or of packed int32 words (AWQ, GPTQ)."""

@@ -14,7 +14,7 @@ from pagedkv.models.cohere import COHERE_MODEL_TYPES, cohere_reason
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, gemma_reason
 from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES
 from pagedkv.models.module_path import (ATTENTION_LINEARS, MLP_LINEARS, PathEntry, causal_lm_reason,
-                                        head_dim_reason, outer_path, path_reason)
+                                        head_dim_reason, outer_path, path_reason, tensor_subclass)
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
 from pagedkv.models.windows import layer_windows
 
@@ -152,7 +152,7 @@ def _placement_reason(model, placement: bool, quantized: set[int] = frozenset(),
     kind (plain tensors, unless `subclasses`) and, with placement, their one device."""
     params = list(model.parameters())
     for name, p in ([] if subclasses else model.named_parameters()):
-        if id(p) not in quantized and type(p) not in (torch.Tensor, nn.Parameter):
+        if id(p) not in quantized and tensor_subclass(p):
             kind = type(p)
             return (f"parameter {name} is a {kind.__name__} from {kind.__module__} (a tensor subclass, e.g. "
                     "torchao's quantize_): pagedkv's own forward reads plain tensors; supported quantized: "

@@ -7,6 +7,8 @@ import itertools
 
 import torch
 
+from pagedkv.models.module_path import tensor_subclass
+
 
 def fingerprint(model, versions: bool = False) -> tuple:
     """What pagedkv's copy of the weights depends on: every module (its identity and type) and
@@ -28,7 +30,7 @@ def fingerprint(model, versions: bool = False) -> tuple:
 def _data_pointer(t: torch.Tensor) -> int | tuple:
     """t's data pointer; a wrapper tensor subclass (torchao's quantized weights) has no storage of
     its own: its inner tensors' pointers."""
-    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+    if not tensor_subclass(t) or not hasattr(t, "__tensor_flatten__"):
         return t.data_ptr()
     names, _ = t.__tensor_flatten__()
     return tuple(_data_pointer(getattr(t, n)) for n in names)
