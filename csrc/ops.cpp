@@ -32,7 +32,7 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("paged_decode_attention(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor! workspace, "
         "int num_splits=0, int sliding_window=0, float logit_softcap=0.0, Tensor? k_scale=None, "
-        "Tensor? v_scale=None, Tensor? sinks=None) -> ()");
+        "Tensor? v_scale=None, Tensor? sinks=None, Tensor? row_order=None) -> ()");
   // The split count the CUDA path of paged_decode_attention picks from shapes and q's dtype
   // (host only).
   m.def("paged_decode_num_splits(int batch, int num_q_heads, int num_kv_heads, int block_size, "

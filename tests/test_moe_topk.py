@@ -80,7 +80,7 @@ def test_moe_topk(device, dtype, num_tokens, num_experts, top_k, options):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_experts", [8, 64, 128, 256])
+@pytest.mark.parametrize("num_experts", [8, 64, 128, 256, 512])
 @pytest.mark.parametrize("top_k", [1, 2, 3, 4, 6, 8, 32])
 def test_ties_in_torch_topk_order(device, dtype, num_experts, top_k):
     """Exactly equal probs (bf16 logits tie often): torch.topk's ids and order on this device (on

@@ -1,4 +1,4 @@
-// The router's tail, one warp per token, written to give what torch's own CUDA kernels give HF:
+// The router's tail, one block per token, written to give what torch's own CUDA kernels give HF:
 //  - softmax as torch's warp softmax (PersistentSoftmax.cuh, E <= 1024): lane l holds experts
 //    l, l + 32, ...; its exps summed in that order from 0, then a butterfly over the lanes; each
 //    exp divided by the sum. --use_fast_math is on for the kernels, so the exp is libdevice's
@@ -48,22 +48,23 @@ __device__ __forceinline__ bool picked_before(float a, int ia, float b, int ib) 
   return ia < ib;
 }
 
-// grid: T blocks of one warp; block t routes token t. Shared memory: the probs [E].
-template <typename T, typename W>
-__global__ void __launch_bounds__(32) moe_topk_kernel(
-    int64_t* __restrict__ expert_ids,  // [T, k]
-    W* __restrict__ weights,           // [T, k]
-    const T* __restrict__ logits,      // [T, E]
-    int top_k, int num_experts, bool normalize) {
-  extern __shared__ float probs[];  // [E]: the probs, -1 once picked
-  __shared__ float gathered_prob[32];
-  __shared__ int gathered_id[32];
-  begin_dependent_kernel();
-  const int64_t t = blockIdx.x;
-  const int lane = threadIdx.x;
-  const T* row = logits + t * num_experts;
+// Up to this many experts, each is ranked by a thread of its own (E compares, all threads at once:
+// ~E^2 / 128 issue slots an SM sub-partition); above, warp 0 picks by k rounds of warp argmax
+// (~k (E / 32 + 40) dependent steps). At E = 128, k = 8 the ranks take about a fifth of the rounds.
+constexpr int kRankMaxExperts = 256;
 
-  // Softmax, torch's warp softmax. Expert e belongs to lane e % 32, which alone touches probs[e].
+// A prob's place in torch.topk's order as one integer, larger first: the prob, then the lower
+// expert. Softmax probs are +0 or above, or NaN, so a number's bits order like it; every NaN ties
+// with every other and ranks above all numbers (`greater`), so all take the top bits.
+__device__ __forceinline__ uint64_t pick_key(float p, int e) {
+  const uint32_t bits = isnan(p) ? 0xffffffffu : __float_as_uint(p);
+  return (static_cast<uint64_t>(bits) << 32) | (0xffffffffu - static_cast<uint32_t>(e));
+}
+
+// Softmax, torch's warp softmax, by one warp. Expert e belongs to lane e % 32, which alone touches
+// probs[e].
+template <typename T>
+__device__ __forceinline__ void warp_softmax(float* probs, const T* row, int num_experts, int lane) {
   float max_logit = -INFINITY;
   for (int e = lane; e < num_experts; e += 32) {
     const float logit = to_float(row[e]);
@@ -79,11 +80,12 @@ __global__ void __launch_bounds__(32) moe_topk_kernel(
   }
   sum = warp_sum(sum);
   for (int e = lane; e < num_experts; e += 32) probs[e] = __fdiv_rn(probs[e], sum);
+}
 
-  // k rounds of warp argmax: lane j keeps round j's pick, so lanes 0..k-1 hold the top k in
-  // descending order, equal probs by expert index.
-  float prob = 0.f;
-  int id = 0;
+// k rounds of warp argmax over probs (which it marks -1 once picked): lane j returns round j's
+// pick, so lanes 0..k-1 hold the top k in descending order, equal probs by expert index.
+__device__ __forceinline__ void warp_argmax_rounds(float* probs, int num_experts, int top_k, int lane,
+                                                   float& prob, int& id) {
   for (int j = 0; j < top_k; ++j) {
     float best = -2.f;  // below every prob and below a picked expert's -1
     int best_e = INT_MAX;
@@ -108,6 +110,15 @@ __global__ void __launch_bounds__(32) moe_topk_kernel(
       id = best_e;
     }
   }
+}
+
+// The k picked (lanes 0..k-1, descending, equal probs by index) put in torch.topk's output order:
+// where two of them are equal, its bitonic sort's order of ties; else the descending order as is.
+__device__ __forceinline__ void torch_tie_order(float& prob, int& id, int top_k, int lane, float* gathered_prob,
+                                                int* gathered_id) {
+  const float next = __shfl_down_sync(kFull, prob, 1);
+  const bool ties_next = lane + 1 < top_k && (next == prob || (isnan(next) && isnan(prob)));
+  if (!__any_sync(kFull, ties_next)) return;  // distinct keys: every sort gives the one order
 
   // torch's gathered order: the probs above the k-th (lanes 0..g-1) by expert index, then the
   // ones equal to it (lanes g..k-1, already by index).
@@ -117,6 +128,7 @@ __global__ void __launch_bounds__(32) moe_topk_kernel(
   int rank = 0;  // among the ones above, by expert index
   for (int i = 0; i < num_above; ++i) rank += __shfl_sync(kFull, id, i) < id;
   const int position = above ? rank : lane;
+  __syncwarp();  // every lane has read the buffers' last contents
   gathered_prob[position] = prob;
   gathered_id[position] = id;
   __syncwarp();
@@ -149,6 +161,53 @@ __global__ void __launch_bounds__(32) moe_topk_kernel(
       }
     }
   }
+}
+
+// grid: T blocks; block t routes token t. Block: one thread an expert (E <= kRankMaxExperts,
+// rounded up to warps), else one warp. Shared memory: the probs [E].
+template <typename T, typename W>
+__global__ void __launch_bounds__(kRankMaxExperts) moe_topk_kernel(
+    int64_t* __restrict__ expert_ids,  // [T, k]
+    W* __restrict__ weights,           // [T, k]
+    const T* __restrict__ logits,      // [T, E]
+    int top_k, int num_experts, bool normalize) {
+  extern __shared__ float probs[];  // [E]
+  __shared__ uint64_t keys[kRankMaxExperts];
+  __shared__ float picked_prob[32];
+  __shared__ int picked_id[32];
+  begin_dependent_kernel();
+  const int64_t t = blockIdx.x;
+  const int lane = threadIdx.x % 32;
+  if (threadIdx.x < 32) warp_softmax(probs, logits + t * num_experts, num_experts, lane);
+
+  float prob = 0.f;
+  int id = 0;
+  if (num_experts <= kRankMaxExperts) {
+    // Expert e's rank: how many experts torch.topk takes before it; the first k land in order.
+    __syncthreads();
+    const int e = threadIdx.x;
+    const uint64_t key = e < num_experts ? pick_key(probs[e], e) : 0;
+    if (e < num_experts) keys[e] = key;
+    __syncthreads();
+    if (e < num_experts) {
+      int rank = 0;
+#pragma unroll 8
+      for (int j = 0; j < num_experts; ++j) rank += keys[j] > key;
+      if (rank < top_k) {
+        picked_prob[rank] = probs[e];
+        picked_id[rank] = e;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    if (lane < top_k) {
+      prob = picked_prob[lane];
+      id = picked_id[lane];
+    }
+  } else {
+    warp_argmax_rounds(probs, num_experts, top_k, lane, prob, id);
+  }
+  torch_tie_order(prob, id, top_k, lane, picked_prob, picked_id);
 
   float total = 1.f;
   if (normalize) {  // torch.sum's order
@@ -181,11 +240,12 @@ cudaError_t moe_topk(int64_t* expert_ids, void* weights, bool weights_fp32, cons
     const int k = static_cast<int>(top_k);
     const int e = static_cast<int>(num_experts);
     const dim3 grid(static_cast<unsigned>(num_tokens));
+    const int threads = e <= kRankMaxExperts ? (e + 31) / 32 * 32 : 32;
     if (weights_fp32) {
-      launch_dependent(moe_topk_kernel<T, float>, grid, 32, smem, stream, expert_ids,
+      launch_dependent(moe_topk_kernel<T, float>, grid, threads, smem, stream, expert_ids,
                        static_cast<float*>(weights), in, k, e, normalize);
     } else {
-      launch_dependent(moe_topk_kernel<T, T>, grid, 32, smem, stream, expert_ids, static_cast<T*>(weights), in,
+      launch_dependent(moe_topk_kernel<T, T>, grid, threads, smem, stream, expert_ids, static_cast<T*>(weights), in,
                        k, e, normalize);
     }
     return cudaGetLastError();

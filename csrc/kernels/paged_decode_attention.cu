@@ -90,7 +90,7 @@ paged_decode_kernel(const PagedDecodeArgs a, const Plan plan) {
   const int split = idx % a.num_splits;
   idx /= a.num_splits;
   const int kv_head = idx % a.num_kv_heads;
-  const int b = idx / a.num_kv_heads;
+  const int b = a.row_order != nullptr ? __ldg(a.row_order + idx / a.num_kv_heads) : idx / a.num_kv_heads;
 
   const int begin = split * plan.tokens_per_split;
   // The block of this warp's first tile, read beside the context length instead of after it

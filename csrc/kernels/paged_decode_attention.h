@@ -17,6 +17,10 @@ struct PagedDecodeArgs : PagedAttentionArgs {
   float* workspace;  // paged_decode_workspace_floats(...) floats; unused if num_splits == 1
   int num_splits;    // >= 1: thread blocks that share one (sequence, kv head)
   int num_sms;       // the device's SM count: how wide a CTA to launch (paged_decode_warps)
+  // [batch] int32, a permutation of the rows, or null: the CTAs of row_order[0] are launched
+  // first (longest contexts first: a ragged batch of several waves then ends without a tail of
+  // long rows started last).
+  const int* row_order;
   // (k_scale set, an e4m3 cache: only where paged_decode_tensor_cores(head_dim, q's bytes) holds.)
 };
 

@@ -40,6 +40,9 @@ class ForwardMetadata:
     # [T] int64: each token's S for a length-dependent rope (layers/rotary.py RopeByLength);
     # None: its position + 1 (a decode token of a sequence run alone)
     rope_lens: torch.Tensor | None = None
+    # [B] int32 (decode steps of several waves of CTAs on CUDA): rows by descending context, set
+    # by attention_workspace once a forward (EXPERIMENT: longest rows' CTAs launched first)
+    row_order: torch.Tensor | None = None
 
 
 def attention_workspace(q: torch.Tensor, k_cache: torch.Tensor,
@@ -48,6 +51,9 @@ def attention_workspace(q: torch.Tensor, k_cache: torch.Tensor,
     forward and shared by its layers: q [T, Hq, Dh], k_cache [num_blocks, block_size, Hkv, Dh]."""
     if meta.query_start_loc is not None:
         return ops.paged_prefill_workspace(q, k_cache, meta.block_tables, meta.max_query_len)
+    meta.row_order = None
+    if q.is_cuda and meta.context_lens.shape[0] * k_cache.shape[2] > 4 * ops._num_sms(q.device):
+        meta.row_order = torch.argsort(meta.context_lens, descending=True).to(torch.int32)
     return ops.paged_decode_workspace(q, k_cache, meta.block_tables)
 
 
@@ -66,4 +72,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                            logit_softcap=logit_softcap, sinks=sinks)
     return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                       scale, workspace=workspace, sliding_window=sliding_window,
-                                      logit_softcap=logit_softcap, sinks=sinks)
+                                      logit_softcap=logit_softcap, sinks=sinks, row_order=meta.row_order)

@@ -53,7 +53,7 @@ def paged_decode_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int = 0, *, sliding_window: int = 0, logit_softcap: float = 0.0,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, row_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache: for each sequence b and query head h,
     ``out[b, h] = softmax(scale * K_b @ q[b, h]) @ V_b`` where K_b, V_b are the first
@@ -81,14 +81,14 @@ def paged_decode_attention(
     k_scale, v_scale = _kv_scales(k_cache, v_cache, k_scale, v_scale)
     _ops.paged_decode_attention(
         out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace, num_splits,
-        sliding_window, logit_softcap, k_scale, v_scale, sinks)
+        sliding_window, logit_softcap, k_scale, v_scale, sinks, row_order)
     return out
 
 
 @torch.library.register_fake("pagedkv::paged_decode_attention")
 def _paged_decode_attention_fake(out, q, k_cache, v_cache, block_tables, context_lens, scale, workspace,
                                  num_splits=0, sliding_window=0, logit_softcap=0.0, k_scale=None,
-                                 v_scale=None, sinks=None) -> None:
+                                 v_scale=None, sinks=None, row_order=None) -> None:
     return None
 
 
