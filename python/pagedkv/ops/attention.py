@@ -73,6 +73,10 @@ def paged_decode_attention(
     An fp8 cache (float8_e4m3fn) reads as ``float(x) * k_scale/v_scale``: see layers/attention.py.
     sinks: [Hq] float32 attention sinks (GPT-OSS): head h's softmax denominator gains
     ``exp(sinks[h])``, its output nothing (``softmax([scores, sink])[:-1] @ V``).
+    row_order: [B] int32, a permutation of the rows: the order their thread blocks are launched in
+    (e.g. longest context first, so ragged rows' last wave is not one long row alone). The output
+    is the same with or without it; the CPU checks it is a permutation, CUDA trusts it as it
+    trusts block_tables.
     """
     if out is None:
         out = torch.empty_like(q)
