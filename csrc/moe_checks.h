@@ -27,17 +27,17 @@ inline void check_experts(const at::Tensor& w, const at::Tensor& x, const char* 
   check_contiguous(w, name);
 }
 
-// out [T, k, I], x [T, D], gate_up [E, 2I, D], expert_ids [T, k].
-inline void check_moe_gate_up_silu_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
-                                        const at::Tensor& expert_ids) {
+// Everything of a moe_gate_up_silu call but its weights: out [T, k, I], x [T, D], expert_ids
+// [T, k]. Shared with the FP8 experts' op (moe_fp8_checks.h).
+inline void check_moe_gate_up_x(const at::Tensor& x, const at::Tensor& expert_ids) {
   check_float_dtype(x, "x");
   TORCH_CHECK(x.dim() == 2, "pagedkv: x must have shape [num_tokens, hidden], got ", x.sizes());
   check_contiguous(x, "x");
   check_expert_ids(expert_ids, x, x.size(0));
-  TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) % 2 == 0, "pagedkv: gate_up must have shape "
-              "[num_experts, 2 * intermediate, hidden], got ", gate_up.sizes());
-  const int64_t inter = gate_up.size(1) / 2;
-  check_experts(gate_up, x, "gate_up", 2 * inter, x.size(1));
+}
+
+inline void check_moe_gate_up_out(const at::Tensor& out, const at::Tensor& x, const at::Tensor& expert_ids,
+                                  int64_t inter) {
   check_same_dtype(out, x, "out", "x");
   check_same_device(out, x, "out", "x");
   TORCH_CHECK(out.dim() == 3 && out.size(0) == x.size(0) && out.size(1) == expert_ids.size(1) &&
@@ -46,10 +46,22 @@ inline void check_moe_gate_up_silu_args(const at::Tensor& out, const at::Tensor&
   check_contiguous(out, "out");
 }
 
-// out [T, D], act [T, k, I], down [E, D, I], expert_ids [T, k], weights [T, k] (float32 or act's
-// dtype: HF rounds each weighted expert output to the weights' dtype).
-inline void check_moe_down_sum_args(const at::Tensor& out, const at::Tensor& act, const at::Tensor& down,
-                                    const at::Tensor& expert_ids, const at::Tensor& weights) {
+// out [T, k, I], x [T, D], gate_up [E, 2I, D], expert_ids [T, k].
+inline void check_moe_gate_up_silu_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
+                                        const at::Tensor& expert_ids) {
+  check_moe_gate_up_x(x, expert_ids);
+  TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) % 2 == 0, "pagedkv: gate_up must have shape "
+              "[num_experts, 2 * intermediate, hidden], got ", gate_up.sizes());
+  const int64_t inter = gate_up.size(1) / 2;
+  check_experts(gate_up, x, "gate_up", 2 * inter, x.size(1));
+  check_moe_gate_up_out(out, x, expert_ids, inter);
+}
+
+// Everything of a moe_down_sum call but its down weights: out [T, D], act [T, k, I], expert_ids
+// [T, k], weights [T, k] (float32 or act's dtype: HF rounds each weighted expert output to the
+// weights' dtype). Shared with the FP8 experts' op (moe_fp8_checks.h).
+inline void check_moe_down_sum_inputs(const at::Tensor& out, const at::Tensor& act, int64_t hidden,
+                                      const at::Tensor& expert_ids, const at::Tensor& weights) {
   check_float_dtype(act, "act");
   TORCH_CHECK(act.dim() == 3, "pagedkv: act must have shape [num_tokens, top_k, intermediate], got ",
               act.sizes());
@@ -57,9 +69,6 @@ inline void check_moe_down_sum_args(const at::Tensor& out, const at::Tensor& act
   check_expert_ids(expert_ids, act, act.size(0));
   TORCH_CHECK(expert_ids.size(1) == act.size(1), "pagedkv: expert_ids has ", expert_ids.size(1),
               " experts a token and act ", act.size(1), "; they must match");
-  TORCH_CHECK(down.dim() == 3, "pagedkv: down must have shape [num_experts, hidden, intermediate], got ",
-              down.sizes());
-  check_experts(down, act, "down", down.size(1), act.size(2));
   TORCH_CHECK(weights.scalar_type() == at::kFloat || weights.scalar_type() == act.scalar_type(),
               "pagedkv: weights has dtype ", weights.scalar_type(), "; allowed: torch.float32 or act's ",
               act.scalar_type());
@@ -68,10 +77,19 @@ inline void check_moe_down_sum_args(const at::Tensor& out, const at::Tensor& act
   check_same_device(weights, act, "weights", "act");
   check_same_dtype(out, act, "out", "act");
   check_same_device(out, act, "out", "act");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == act.size(0) && out.size(1) == down.size(1),
-              "pagedkv: out must have shape [num_tokens, hidden] = [", act.size(0), ", ", down.size(1),
-              "], got ", out.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == act.size(0) && out.size(1) == hidden,
+              "pagedkv: out must have shape [num_tokens, hidden] = [", act.size(0), ", ", hidden, "], got ",
+              out.sizes());
   check_contiguous(out, "out");
+}
+
+// out [T, D], act [T, k, I], down [E, D, I], expert_ids [T, k], weights [T, k].
+inline void check_moe_down_sum_args(const at::Tensor& out, const at::Tensor& act, const at::Tensor& down,
+                                    const at::Tensor& expert_ids, const at::Tensor& weights) {
+  TORCH_CHECK(down.dim() == 3, "pagedkv: down must have shape [num_experts, hidden, intermediate], got ",
+              down.sizes());
+  check_moe_down_sum_inputs(out, act, down.size(1), expert_ids, weights);
+  check_experts(down, act, "down", down.size(1), act.size(2));
 }
 
 // expert_ids [T, k] int64, weights [T, k] (float32 or logits' dtype), logits [T, E]; E at most

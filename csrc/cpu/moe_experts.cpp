@@ -1,9 +1,15 @@
 // CPU moe_gate_up_silu and moe_down_sum: each (token, chosen expert) pair is one matrix-vector
 // product with that expert's weights through ATen, rounded as HF's grouped experts forward rounds.
+// Their FP8 forms dequantize the chosen experts to the activations' dtype (one fp32 product a
+// value, rounded once: layers/moe_quantized.py's dequantize_experts) and run the same code on
+// them, so each gives its dense op's bits on the dequantized weights.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <unordered_map>
+
 #include "moe_checks.h"
+#include "moe_fp8_checks.h"
 
 namespace pagedkv {
 
@@ -20,6 +26,31 @@ std::vector<int64_t> expert_list(const at::Tensor& expert_ids, int64_t num_exper
                 num_experts - 1, " (the experts of the weight)");
   }
   return list;
+}
+
+// The distinct experts of expert_ids [T, k] (checked), in first-use order [U] int64, and
+// expert_ids as places in that list [T, k].
+std::pair<at::Tensor, at::Tensor> distinct_experts(const at::Tensor& expert_ids, int64_t num_experts) {
+  const std::vector<int64_t> ids = expert_list(expert_ids, num_experts);
+  std::unordered_map<int64_t, int64_t> place;
+  std::vector<int64_t> distinct, local;
+  for (int64_t e : ids) {
+    const auto [it, added] = place.emplace(e, static_cast<int64_t>(distinct.size()));
+    if (added) distinct.push_back(e);
+    local.push_back(it->second);
+  }
+  const auto options = expert_ids.options();
+  return {at::tensor(distinct, options), at::tensor(local, options).view(expert_ids.sizes())};
+}
+
+// Experts `experts` [U] of an FP8 projection weight [E, n, k] dequantized: [U, n, k] in dtype.
+at::Tensor dequantize_fp8_experts(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& experts,
+                                  int64_t block_n, int64_t block_k, at::ScalarType dtype) {
+  const int64_t n = weight.size(1), k = weight.size(2);
+  const at::Tensor q = weight.index_select(0, experts).to(dtype);  // e4m3 values are exact in every float dtype
+  const at::Tensor s = scales.index_select(0, experts).repeat_interleave(block_n, 1).slice(1, 0, n)
+                           .repeat_interleave(block_k, 2).slice(2, 0, k);  // [U, n, k] fp32
+  return at::mul(q, s).to(dtype);  // computed in fp32, rounded once
 }
 
 }  // namespace
@@ -55,9 +86,31 @@ void moe_down_sum_cpu(at::Tensor& out, const at::Tensor& act, const at::Tensor& 
   }
 }
 
+void moe_gate_up_silu_fp8_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate,
+                              const at::Tensor& gate_scales, const at::Tensor& up, const at::Tensor& up_scales,
+                              const at::Tensor& expert_ids, int64_t block_n, int64_t block_k) {
+  check_moe_gate_up_silu_fp8_args(out, x, gate, gate_scales, up, up_scales, expert_ids, block_n, block_k);
+  const auto [experts, local_ids] = distinct_experts(expert_ids, gate.size(0));
+  const at::Tensor gate_up = at::cat({dequantize_fp8_experts(gate, gate_scales, experts, block_n, block_k, x.scalar_type()),
+                                      dequantize_fp8_experts(up, up_scales, experts, block_n, block_k, x.scalar_type())},
+                                     1);  // [U, 2I, D]
+  moe_gate_up_silu_cpu(out, x, gate_up, local_ids);
+}
+
+void moe_down_sum_fp8_cpu(at::Tensor& out, const at::Tensor& act, const at::Tensor& down,
+                          const at::Tensor& down_scales, const at::Tensor& expert_ids, const at::Tensor& weights,
+                          int64_t block_n, int64_t block_k) {
+  check_moe_down_sum_fp8_args(out, act, down, down_scales, expert_ids, weights, block_n, block_k);
+  const auto [experts, local_ids] = distinct_experts(expert_ids, down.size(0));
+  moe_down_sum_cpu(out, act, dequantize_fp8_experts(down, down_scales, experts, block_n, block_k, act.scalar_type()),
+                   local_ids, weights);
+}
+
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("moe_gate_up_silu", &moe_gate_up_silu_cpu);
   m.impl("moe_down_sum", &moe_down_sum_cpu);
+  m.impl("moe_gate_up_silu_fp8", &moe_gate_up_silu_fp8_cpu);
+  m.impl("moe_down_sum_fp8", &moe_down_sum_fp8_cpu);
 }
 
 }  // namespace pagedkv

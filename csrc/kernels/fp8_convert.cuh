@@ -14,8 +14,16 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 namespace pagedkv::kernels {
+
+// Two e4m3 values (the low byte first) -> two floats, exactly (NaN bytes stay NaN): e4m3 is a
+// subset of fp16, one cvt a pair on Hopper.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t pair) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
 
 // Bytes b0..b3 of `word` (b0 the lowest) -> {(b0, b1), (b2, b3)} as pairs of T, the lower byte in
 // the lower half; kStrided: {(b0, b2), (b1, b3)} (a word that holds two rows' byte pairs).

@@ -7,17 +7,12 @@
 
 #include <cuda_fp8.h>
 
+#include "kernels/fp8_convert.cuh"
 #include "kernels/gemv_dequant.cuh"
 #include "kernels/gemv_fp8.h"
 
 namespace pagedkv::kernels {
 namespace {
-
-// Two e4m3 values (the low byte first) -> two floats.
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t pair) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu), __NV_E4M3);
-  return __half22float2(__half2(h));
-}
 
 struct Fp8 {
   static constexpr int kPieceCols = 16;  // e4m3 values in 16 bytes

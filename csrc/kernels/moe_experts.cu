@@ -1,11 +1,13 @@
 // The mixture-of-experts decode kernels: GEMV-style, one warp per output row, reading only the
 // rows of the experts each token chose. Simple on purpose: every (token, expert) pair reads its
-// expert's rows itself (pairs of one expert share them through L2).
+// expert's rows itself (pairs of one expert share them through L2). The experts' format (dense,
+// FP8) is the Rows argument (moe_expert_rows.cuh): it hands each kVec values over in the dtype.
 #include <algorithm>
 #include <cstdint>
 
 #include "kernels/common.cuh"
 #include "kernels/dependent_launch.cuh"
+#include "kernels/moe_expert_rows.cuh"
 #include "kernels/moe_experts.h"
 #include "kernels/silu.cuh"
 
@@ -15,36 +17,20 @@ namespace {
 constexpr int kWarps = 8;  // output rows per block
 constexpr int kThreads = kWarps * 32;
 
-// 16 bytes of expert weight, read once: through the non-coherent path and without allocating in
-// L1, which is left to what the warps share (as gemv.cu's load_streaming).
-template <typename V>
-__device__ __forceinline__ V load_streaming(const V* p) {
-  static_assert(sizeof(V) == 16, "16-byte vectors only");
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  V v;
-  *reinterpret_cast<uint4*>(&v) = r;
-  return v;
-}
-
-// (a . b1, a . b2) over n elements (kVec-element vectors), each summed per lane in order, then
-// over the warp (every lane gets both); one loop so that a lane's loads of both rows
-// (and of several of its vectors: unrolled) are in flight together.
-template <typename T, int kVec>
-__device__ __forceinline__ float2 warp_dot2(const T* __restrict__ a, const T* __restrict__ b1,
-                                            const T* __restrict__ b2, int64_t n) {
+// (a . b1, a . b2) over n elements (kVec-element vectors; b1, b2 rows of a Rows format), each summed per
+// lane in order, then over the warp (every lane gets both); one loop so that a lane's loads of
+// both rows (and of several of its vectors: unrolled) are in flight together.
+template <typename T, int kVec, typename Rows>
+__device__ __forceinline__ float2 warp_dot2(const T* __restrict__ a, const typename Rows::Row& b1,
+                                            const typename Rows::Row& b2, int64_t n) {
   using V = Vec<T, kVec>;
   const V* va = reinterpret_cast<const V*>(a);
-  const V* v1 = reinterpret_cast<const V*>(b1);
-  const V* v2 = reinterpret_cast<const V*>(b2);
   float s1 = 0.f, s2 = 0.f;
 #pragma unroll 4
   for (int64_t i = threadIdx.x % 32; i < n / kVec; i += 32) {
     const V x = va[i];
-    const V y1 = v1[i];
-    const V y2 = v2[i];
+    const V y1 = Rows::template load<false>(b1, i);
+    const V y2 = Rows::template load<false>(b2, i);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       s1 = fmaf(to_float(x.v[j]), to_float(y1.v[j]), s1);
@@ -55,11 +41,16 @@ __device__ __forceinline__ float2 warp_dot2(const T* __restrict__ a, const T* __
 }
 
 // grid: (T * k pairs, ceil(I / kWarps)); warp w of block (p, b) computes out[p, b * kWarps + w].
-template <typename T, int kVec>
+// Expert e's gate row r is gate_up's row (e, r), its up row (e, up_first + r): one [E, 2I, D]
+// stack (dense, up_first = I) or the gate and up of a quantized checkpoint ([E, I, D] each in
+// one Rows whose rows run over both: up_first = 0 with `up` its own Rows).
+template <typename T, int kVec, typename Rows>
 __global__ void __launch_bounds__(kThreads) moe_gate_up_silu_kernel(
     T* __restrict__ out,                 // [T, k, I]
     const T* __restrict__ x,             // [T, D]
-    const T* __restrict__ gate_up,       // [E, 2I, D]
+    const Rows gate,                     // [E, ., D]
+    const Rows up,                       // [E, ., D]
+    int64_t up_first,
     const int64_t* __restrict__ ids,     // [T, k]
     int64_t top_k, int64_t num_experts, int64_t hidden, int64_t intermediate) {
   begin_dependent_kernel();
@@ -70,8 +61,7 @@ __global__ void __launch_bounds__(kThreads) moe_gate_up_silu_kernel(
   T result = from_float<T>(0.f);
   if (e >= 0 && e < num_experts) {
     const T* token = x + (pair / top_k) * hidden;
-    const T* gate = gate_up + (e * 2 * intermediate + row) * hidden;
-    const float2 gu = warp_dot2<T, kVec>(token, gate, gate + intermediate * hidden, hidden);
+    const float2 gu = warp_dot2<T, kVec, Rows>(token, gate.row(e, row), up.row(e, up_first + row), hidden);
     const T g = from_float<T>(gu.x);
     const T u = from_float<T>(gu.y);
     result = silu_mul(g, u);
@@ -104,11 +94,11 @@ __device__ __forceinline__ float add_weighted(float sum, const float (&part)[kDo
 // grid: (T, ceil(D / kWarps)); warp w of block (t, b) computes out[t, b * kWarps + w], summing
 // the token's k experts in order. Each expert's dot product is summed in the same order as
 // warp_dot2's (per lane over its vectors, then across the warp), kDownGroup experts at a time.
-template <typename T, typename W, int kVec>
+template <typename T, typename W, int kVec, typename Rows>
 __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
     T* __restrict__ out,                 // [T, D]
     const T* __restrict__ act,           // [T, k, I]
-    const T* __restrict__ down,          // [E, D, I]
+    const Rows down,                     // [E, D, I]
     const int64_t* __restrict__ ids,     // [T, k]
     const W* __restrict__ weights,       // [T, k]
     int64_t top_k, int64_t num_experts, int64_t hidden, int64_t intermediate) {
@@ -120,8 +110,8 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
   const int64_t vecs = intermediate / kVec;
   float sum = 0.f;
   for (int64_t j0 = 0; j0 < top_k; j0 += kDownGroup) {
-    const V* a_row[kDownGroup];  // act of pair (t, j0 + g)
-    const V* d_row[kDownGroup];  // row `row` of its expert's down
+    const V* a_row[kDownGroup];                // act of pair (t, j0 + g)
+    typename Rows::Row d_row[kDownGroup];  // row `row` of its expert's down
     bool valid[kDownGroup];      // the same in every lane (one token's ids): shuffles below are safe
     float part[kDownGroup];
 #pragma unroll
@@ -130,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
       const int64_t e = j < top_k ? ids[t * top_k + j] : -1;
       valid[g] = e >= 0 && e < num_experts;
       a_row[g] = reinterpret_cast<const V*>(act + (t * top_k + (valid[g] ? j : 0)) * intermediate);
-      d_row[g] = reinterpret_cast<const V*>(down + ((valid[g] ? e : 0) * hidden + row) * intermediate);
+      d_row[g] = down.row(valid[g] ? e : 0, row);
       part[g] = 0.f;
     }
     for (int64_t i = threadIdx.x % 32; i < vecs; i += 32) {
@@ -139,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
       for (int g = 0; g < kDownGroup; ++g) {
         if (valid[g]) {
           a[g] = a_row[g][i];
-          d[g] = d_row[g][i];
+          d[g] = Rows::template load<false>(d_row[g], i);
         }
       }
 #pragma unroll
@@ -164,12 +154,12 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
 // products are taken, the weights come through streaming loads after an L2 prefetch issued
 // before the staging, and __launch_bounds__(.., 2) holds it under 128 registers (118 on sm_90,
 // no spills): one wave of 16 warps an SM. The same products in the same order: bit for bit the
-// default kernel's results. 16-byte vectors only; shared memory: k * I * sizeof(T) bytes.
-template <typename T, typename W, int kVec>
+// default kernel's results. 16-byte act vectors only; shared memory: k * I * sizeof(T) bytes.
+template <typename T, typename W, int kVec, typename Rows>
 __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
     T* __restrict__ out,                 // [T, D]
     const T* __restrict__ act,           // [T, k, I]
-    const T* __restrict__ down,          // [E, D, I]
+    const Rows down,                     // [E, D, I]
     const int64_t* __restrict__ ids,     // [T, k]
     const W* __restrict__ weights,       // [T, k]
     int64_t top_k, int64_t num_experts, int64_t hidden, int64_t intermediate) {
@@ -182,11 +172,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
   const int vecs = static_cast<int>(intermediate / kVec);
   // The warp's k weight rows asked of L2 first (one 128-byte line a lane), so DRAM streams them
   // while the block stages act; the loads below then find them in L2.
-  const int lines = static_cast<int>((intermediate * sizeof(T) + 127) / 128);
+  const int lines = static_cast<int>((intermediate * Rows::kRowBytesPerValue + 127) / 128);
   for (int64_t j = 0; row < hidden && j < top_k; ++j) {
     const int64_t e = ids[t * top_k + j];
     if (e < 0 || e >= num_experts) continue;
-    const char* d = reinterpret_cast<const char*>(down + (e * hidden + row) * intermediate);
+    const char* d = Rows::bytes(down.row(e, row));
     for (int c = threadIdx.x % 32; c < lines; c += 32) {
       asm volatile("prefetch.global.L2 [%0];" ::"l"(d + c * 128));
     }
@@ -197,15 +187,15 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
   if (row >= hidden) return;
   float sum = 0.f;
   for (int64_t j0 = 0; j0 < top_k; j0 += kDownGroup) {
-    const V* d_row[kDownGroup];  // row `row` of pair (t, j0 + g)'s expert's down
-    bool valid[kDownGroup];      // the same in every lane (one token's ids): shuffles below are safe
+    typename Rows::Row d_row[kDownGroup];  // row `row` of pair (t, j0 + g)'s expert's down
+    bool valid[kDownGroup];  // the same in every lane (one token's ids): shuffles below are safe
     float part[kDownGroup];
 #pragma unroll
     for (int g = 0; g < kDownGroup; ++g) {
       const int64_t j = j0 + g;
       const int64_t e = j < top_k ? ids[t * top_k + j] : -1;
       valid[g] = e >= 0 && e < num_experts;
-      d_row[g] = reinterpret_cast<const V*>(down + ((valid[g] ? e : 0) * hidden + row) * intermediate);
+      d_row[g] = down.row(valid[g] ? e : 0, row);
       part[g] = 0.f;
     }
     const V* a_base = staged + j0 * vecs;  // act of pair (t, j0 + g) at a_base + g * vecs
@@ -213,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
       V d[kDownGroup];
 #pragma unroll
       for (int g = 0; g < kDownGroup; ++g) {
-        if (valid[g]) d[g] = load_streaming(&d_row[g][i]);
+        if (valid[g]) d[g] = Rows::template load<true>(d_row[g], i);
       }
       // act from shared memory one expert at a time, as its products are taken: only the
       // weights' registers stay live across the loads' latency.
@@ -237,6 +227,40 @@ constexpr size_t kStagedMaxBytes = 48 * 1024;
 
 unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kWarps - 1) / kWarps); }
 
+template <typename T, int kVec, typename Rows>
+cudaError_t launch_gate_up_silu(void* out, const void* x, const Rows& gate, const Rows& up, int64_t up_first,
+                                const int64_t* expert_ids, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                                int64_t hidden, int64_t intermediate, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(num_tokens * top_k), blocks_for(intermediate));
+  return launch_dependent(moe_gate_up_silu_kernel<T, kVec, Rows>, grid, kThreads, 0, stream, static_cast<T*>(out),
+                          static_cast<const T*>(x), gate, up, up_first, expert_ids, top_k, num_experts, hidden,
+                          intermediate);
+}
+
+// The staged kernel where its act vectors and shared memory allow, else the default one.
+template <typename T, int kVec, typename Rows>
+cudaError_t launch_down_sum(void* out, const void* act, const Rows& down, const int64_t* expert_ids,
+                            const void* weights, bool weights_fp32, int64_t num_tokens, int64_t top_k,
+                            int64_t num_experts, int64_t hidden, int64_t intermediate, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(num_tokens), blocks_for(hidden));
+  auto* o = static_cast<T*>(out);
+  auto* a = static_cast<const T*>(act);
+  auto run = [&](auto weight_tag) {
+    using W = decltype(weight_tag);
+    auto* w = static_cast<const W*>(weights);
+    if constexpr (kVec == 16 / sizeof(T)) {
+      const size_t staged_bytes = static_cast<size_t>(top_k * intermediate) * sizeof(T);
+      if (staged_bytes <= kStagedMaxBytes) {
+        return launch_dependent(moe_down_sum_staged_kernel<T, W, kVec, Rows>, grid, kThreads, staged_bytes,
+                                stream, o, a, down, expert_ids, w, top_k, num_experts, hidden, intermediate);
+      }
+    }
+    return launch_dependent(moe_down_sum_kernel<T, W, kVec, Rows>, grid, kThreads, 0, stream, o, a, down,
+                            expert_ids, w, top_k, num_experts, hidden, intermediate);
+  };
+  return weights_fp32 ? run(float{}) : run(T{});
+}
+
 }  // namespace
 
 cudaError_t moe_gate_up_silu(void* out, const void* x, const void* gate_up, const int64_t* expert_ids,
@@ -246,16 +270,15 @@ cudaError_t moe_gate_up_silu(void* out, const void* x, const void* gate_up, cons
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kVec = 16 / sizeof(T);
-    const dim3 grid(static_cast<unsigned>(num_tokens * top_k), blocks_for(intermediate));
-    auto* o = static_cast<T*>(out);
-    auto* in = static_cast<const T*>(x);
     auto* w = static_cast<const T*>(gate_up);
     if (hidden % kVec == 0 && aligned16(x) && aligned16(gate_up)) {
-      launch_dependent(moe_gate_up_silu_kernel<T, kVec>, grid, kThreads, 0, stream, o, in, w, expert_ids,
-                       top_k, num_experts, hidden, intermediate);
+      const DenseRows<T, kVec> rows{w, 2 * intermediate, hidden};
+      launch_gate_up_silu<T, kVec>(out, x, rows, rows, intermediate, expert_ids, num_tokens, top_k, num_experts,
+                                   hidden, intermediate, stream);
     } else {
-      launch_dependent(moe_gate_up_silu_kernel<T, 1>, grid, kThreads, 0, stream, o, in, w, expert_ids,
-                       top_k, num_experts, hidden, intermediate);
+      const DenseRows<T, 1> rows{w, 2 * intermediate, hidden};
+      launch_gate_up_silu<T, 1>(out, x, rows, rows, intermediate, expert_ids, num_tokens, top_k, num_experts,
+                                hidden, intermediate, stream);
     }
     return cudaGetLastError();
   });
@@ -269,31 +292,52 @@ cudaError_t moe_down_sum(void* out, const void* act, const void* down, const int
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kVec = 16 / sizeof(T);
-    const dim3 grid(static_cast<unsigned>(num_tokens), blocks_for(hidden));
-    auto* o = static_cast<T*>(out);
-    auto* a = static_cast<const T*>(act);
     auto* d = static_cast<const T*>(down);
-    const bool vectorized = intermediate % kVec == 0 && aligned16(act) && aligned16(down);
-    auto run = [&](auto weight_tag) {
-      using W = decltype(weight_tag);
-      auto* w = static_cast<const W*>(weights);
-      const size_t staged_bytes = static_cast<size_t>(top_k * intermediate) * sizeof(T);
-      if (vectorized && staged_bytes <= kStagedMaxBytes) {
-        return launch_dependent(moe_down_sum_staged_kernel<T, W, kVec>, grid, kThreads, staged_bytes, stream, o,
-                                a, d, expert_ids, w, top_k, num_experts, hidden, intermediate);
-      }
-      if (vectorized) {
-        return launch_dependent(moe_down_sum_kernel<T, W, kVec>, grid, kThreads, 0, stream, o, a, d,
-                                expert_ids, w, top_k, num_experts, hidden, intermediate);
-      }
-      return launch_dependent(moe_down_sum_kernel<T, W, 1>, grid, kThreads, 0, stream, o, a, d, expert_ids,
-                              w, top_k, num_experts, hidden, intermediate);
-    };
-    if (weights_fp32) {
-      run(float{});
+    if (intermediate % kVec == 0 && aligned16(act) && aligned16(down)) {
+      launch_down_sum<T, kVec>(out, act, DenseRows<T, kVec>{d, hidden, intermediate}, expert_ids, weights,
+                               weights_fp32, num_tokens, top_k, num_experts, hidden, intermediate, stream);
     } else {
-      run(T{});
+      launch_down_sum<T, 1>(out, act, DenseRows<T, 1>{d, hidden, intermediate}, expert_ids, weights, weights_fp32,
+                            num_tokens, top_k, num_experts, hidden, intermediate, stream);
     }
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t moe_gate_up_silu_fp8(void* out, const void* x, const uint8_t* gate, const float* gate_scales,
+                                 const uint8_t* up, const float* up_scales, const int64_t* expert_ids,
+                                 int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
+                                 int64_t intermediate, int block_n, int block_k, DType dtype, cudaStream_t stream) {
+  if (num_tokens == 0 || intermediate == 0) return cudaSuccess;
+  if (hidden % kMoeFp8Align != 0 || block_k % kMoeFp8Align != 0 || !aligned16(x) || !aligned16(gate) ||
+      !aligned16(up)) {
+    return cudaErrorInvalidValue;
+  }
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = 16 / sizeof(T);
+    const Fp8Rows<T, kVec> gate_rows{gate, gate_scales, intermediate, hidden, block_n, block_k};
+    const Fp8Rows<T, kVec> up_rows{up, up_scales, intermediate, hidden, block_n, block_k};
+    launch_gate_up_silu<T, kVec>(out, x, gate_rows, up_rows, 0, expert_ids, num_tokens, top_k, num_experts, hidden,
+                                 intermediate, stream);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t moe_down_sum_fp8(void* out, const void* act, const uint8_t* down, const float* down_scales,
+                             const int64_t* expert_ids, const void* weights, bool weights_fp32, int64_t num_tokens,
+                             int64_t top_k, int64_t num_experts, int64_t hidden, int64_t intermediate, int block_n,
+                             int block_k, DType dtype, cudaStream_t stream) {
+  if (num_tokens == 0 || hidden == 0) return cudaSuccess;
+  if (intermediate % kMoeFp8Align != 0 || block_k % kMoeFp8Align != 0 || !aligned16(act) || !aligned16(down)) {
+    return cudaErrorInvalidValue;
+  }
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = 16 / sizeof(T);
+    launch_down_sum<T, kVec>(out, act, Fp8Rows<T, kVec>{down, down_scales, hidden, intermediate, block_n, block_k},
+                             expert_ids, weights, weights_fp32, num_tokens, top_k, num_experts, hidden, intermediate,
+                             stream);
     return cudaGetLastError();
   });
 }

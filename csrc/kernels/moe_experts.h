@@ -25,4 +25,22 @@ cudaError_t moe_down_sum(void* out, const void* act, const void* down, const int
                          int64_t num_experts, int64_t hidden, int64_t intermediate, DType dtype,
                          cudaStream_t stream);
 
+// The FP8 experts' kernels (FineGrainedFP8, compressed-tensors: moe_expert_rows.cuh's Fp8Rows):
+// the dense kernels' results on the weights W[e, r, c] = T(float(q[e, r, c]) * scales[e, r /
+// block_n, c / block_k]) (q e4m3, scales fp32 [E, ceil(R / block_n), ceil(C / block_k)]), bit
+// for bit, reading the stored bytes once. The input width of each projection (hidden for gate/up,
+// intermediate for down) and block_k are multiples of kMoeFp8Align; x / act and the e4m3 weights
+// 16-byte aligned (cudaErrorInvalidValue otherwise). gate, up [E, I, D]; down [E, D, I].
+constexpr int kMoeFp8Align = 16;
+
+cudaError_t moe_gate_up_silu_fp8(void* out, const void* x, const uint8_t* gate, const float* gate_scales,
+                                 const uint8_t* up, const float* up_scales, const int64_t* expert_ids,
+                                 int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
+                                 int64_t intermediate, int block_n, int block_k, DType dtype, cudaStream_t stream);
+
+cudaError_t moe_down_sum_fp8(void* out, const void* act, const uint8_t* down, const float* down_scales,
+                             const int64_t* expert_ids, const void* weights, bool weights_fp32, int64_t num_tokens,
+                             int64_t top_k, int64_t num_experts, int64_t hidden, int64_t intermediate, int block_n,
+                             int block_k, DType dtype, cudaStream_t stream);
+
 }  // namespace pagedkv::kernels

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.moe_quantized import (QuantizedExperts, dequantize_all, dequantize_experts, gathered_experts,
-                                          num_experts)
+from pagedkv.layers.moe_quantized import (QuantizedExperts, dequantize_all, dequantize_experts, fp8_kernels_take,
+                                          gathered_experts, moe_down_sum_fp8, moe_gate_up_silu_fp8, num_experts)
 
 _ops = torch.ops.pagedkv
 # Above this many (token, expert) pairs outside graph capture, group by expert (one GEMM per hit
@@ -104,6 +104,8 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) 
     quantized = not isinstance(w.down, torch.Tensor)  # a quantized checkpoint's (layers/moe_quantized.py)
     if pairs >= GROUPED_MIN_PAIRS and not capturing:
         out = _grouped_experts(x, w, ids, weights)
+    elif quantized and fp8_kernels_take(x, *w.gate_up, w.down):  # the stored bytes read once
+        out = moe_down_sum_fp8(moe_gate_up_silu_fp8(x, *w.gate_up, ids), w.down, ids, weights)
     elif quantized and pairs > num_experts(w.down):
         # More pairs than experts (captured, or under GROUPED_MIN_PAIRS): every expert dequantized
         # once (a temporary of the layer's size, however many rows the step has), then the kernels.
@@ -188,7 +190,7 @@ def moe_topk(logits: torch.Tensor, top_k: int, normalize: bool, fp32_weights: bo
     """HF's router after its linear in one op: logits [T, E] (the model dtype, E <= TOPK_MAX_EXPERTS)
     -> (expert_ids [T, k] int64, weights [T, k] fp32 if fp32_weights else logits' dtype), k <=
     TOPK_MAX_K: torch.topk of softmax(logits) in fp32, each divided by their fp32 sum if normalize.
-    CPU: HF's own ATen ops, bit for bit. CUDA: one warp a token reproducing torch's CUDA kernels
+    CPU: HF's own ATen ops, bit for bit. CUDA: one block a token reproducing torch's CUDA kernels
     (csrc/kernels/moe_topk.cu): torch.topk's ids and order, ties included."""
     if expert_ids is None:
         expert_ids = torch.empty((logits.shape[0], top_k), dtype=torch.int64, device=logits.device)

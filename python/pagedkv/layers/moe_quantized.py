@@ -6,15 +6,17 @@ Qwen3-MoE, OLMoE, Mixtral), each projection of every expert stacked over the exp
                  two a byte, a scale and a zero point per group of input columns
     gate, up [E, I, D] each; down [E, D, I]
 
-They run by dequantizing what a step needs into temporaries in the activations' dtype, with
-device ops only (capturable) except where noted: a step of at most as many (token, expert)
-pairs as experts (decode) gathers its pairs' experts (gathered_experts); a step of more pairs
-that does not group (captured, or fewer than GROUPED_MIN_PAIRS) dequantizes every expert once
-(dequantize_all) and runs the dense experts' kernels; an eager step of many pairs (prefill)
-takes each hit expert once (its counts read back), as the dense experts' per-expert GEMMs do
-(layers/moe.py). Correct on every device; no quantized expert kernel yet, so a decode step
-moves ~11 bytes a weight of each chosen FP8 expert (1 stored: gather, cast, scale, product) and
-~14 of an int4 one (0.5 stored), where a kernel would read the stored bytes once.
+FP8 experts whose shapes the kernels take (fp8_kernels_take) run a step that does not group by
+expert through the FP8 expert ops (moe_gate_up_silu_fp8, moe_down_sum_fp8): each chosen expert's
+stored bytes read once, dequantized in registers to the dense ops' exact inputs. The rest run by
+dequantizing what a step needs into temporaries in the activations' dtype, with device ops only
+(capturable) except where noted: a step of at most as many (token, expert) pairs as experts
+(decode) gathers its pairs' experts (gathered_experts); a step of more pairs that does not group
+(captured, or fewer than GROUPED_MIN_PAIRS) dequantizes every expert once (dequantize_all) and
+runs the dense experts' kernels; an eager step of many pairs (prefill) takes each hit expert once
+(its counts read back), as the dense experts' per-expert GEMMs do (layers/moe.py). An int4
+decode step so moves ~14 bytes a weight of each chosen expert (0.5 stored): no int4 expert
+kernel yet.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import dataclasses
 import torch
 
 from pagedkv import ops
+
+_ops = torch.ops.pagedkv
+# The FP8 expert kernels read 16 e4m3 values under one scale at a time: input widths and block_k
+# multiples of this, tensors 16-byte aligned (csrc/moe_fp8_checks.h).
+FP8_KERNEL_ALIGN = 16
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,3 +168,45 @@ def gathered_experts(x: torch.Tensor, gate: QuantizedExperts, up: QuantizedExper
     u = torch.bmm(dequantize_experts(up, flat, x.dtype), column)
     act = ops.silu_and_mul(torch.cat([g, u], dim=1).squeeze(-1))  # [P, I]
     return torch.bmm(dequantize_experts(down, flat, x.dtype), act.unsqueeze(-1)).squeeze(-1)  # [P, D]
+
+
+def fp8_kernels_take(x: torch.Tensor, gate: QuantizedExperts, up: QuantizedExperts, down: QuantizedExperts) -> bool:
+    """Whether the FP8 expert ops take these projections for activations x: all three FP8, gate and
+    up in one block shape, each input width and block_k a multiple of FP8_KERNEL_ALIGN, x and the
+    weights 16-byte aligned."""
+    if not all(isinstance(p, Fp8Experts) for p in (gate, up, down)) or gate.block != up.block:
+        return False
+    widths_ok = all(p.weight.shape[-1] % FP8_KERNEL_ALIGN == 0 and p.block[1] % FP8_KERNEL_ALIGN == 0
+                    for p in (gate, down))
+    return widths_ok and all(t.data_ptr() % 16 == 0 for t in (x, gate.weight, up.weight, down.weight))
+
+
+def moe_gate_up_silu_fp8(x: torch.Tensor, gate: Fp8Experts, up: Fp8Experts, expert_ids: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """layers.moe.moe_gate_up_silu with FP8 experts: out [T, k, I] = silu(x @ gate_e^T) * (x @ up_e^T),
+    e = expert_ids[t, j], on the weights dequantized to x's dtype (dequantize_experts), each
+    product rounded to it. Reads only the chosen experts' stored bytes."""
+    if out is None:
+        out = x.new_empty((x.shape[0], expert_ids.shape[1], gate.weight.shape[1]))
+    _ops.moe_gate_up_silu_fp8(out, x, gate.weight, gate.scales, up.weight, up.scales, expert_ids, *gate.block)
+    return out
+
+
+def moe_down_sum_fp8(act: torch.Tensor, down: Fp8Experts, expert_ids: torch.Tensor, weights: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """layers.moe.moe_down_sum with FP8 experts: out [T, D] = sum_j (act[t, j] @ down_e^T) *
+    weights[t, j], on the weights dequantized to act's dtype, HF's rounding."""
+    if out is None:
+        out = act.new_empty((act.shape[0], down.weight.shape[1]))
+    _ops.moe_down_sum_fp8(out, act, down.weight, down.scales, expert_ids, weights, *down.block)
+    return out
+
+
+@torch.library.register_fake("pagedkv::moe_gate_up_silu_fp8")
+def _moe_gate_up_silu_fp8_fake(out, x, gate, gate_scales, up, up_scales, expert_ids, block_n, block_k) -> None:
+    torch._check(out.shape == (x.shape[0], expert_ids.shape[1], gate.shape[1]))
+
+
+@torch.library.register_fake("pagedkv::moe_down_sum_fp8")
+def _moe_down_sum_fp8_fake(out, act, down, down_scales, expert_ids, weights, block_n, block_k) -> None:
+    torch._check(out.shape == (act.shape[0], down.shape[1]))

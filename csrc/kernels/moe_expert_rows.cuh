@@ -1,0 +1,128 @@
+// How the mixture-of-experts kernels (moe_experts.cu) read an expert projection's rows: kVec
+// values at a time, handed over in the model's dtype T whatever the format stores, so the kernels'
+// fp32 products are the same code for every format. A quantized format dequantizes each value as
+// layers/moe_quantized.py's dequantize_experts does (one fp32 product rounded to T), so its kernels
+// give, bit for bit, the dense kernels' results on the dequantized weights.
+//
+// A format provides:
+//   Row row(e, r)                  row r of expert e
+//   static Vec<T, kVec> load<kStreaming>(row, i)   the row's i-th kVec values (kStreaming: read
+//                                  once, through the non-coherent path without allocating in L1)
+//   static const char* bytes(row), kRowBytesPerValue   the row's stored bytes (L2 prefetches)
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/common.cuh"
+#include "kernels/fp8_convert.cuh"
+
+namespace pagedkv::kernels {
+
+// 16, 8 or 4 bytes of expert weight, read once: through the non-coherent path and without
+// allocating in L1, which is left to what the warps share (as gemv.cu's load_streaming).
+template <typename V>
+__device__ __forceinline__ V load_streaming(const V* p) {
+  V v;
+  if constexpr (sizeof(V) == 16) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    *reinterpret_cast<uint4*>(&v) = r;
+  } else if constexpr (sizeof(V) == 8) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    *reinterpret_cast<uint2*>(&v) = r;
+  } else {
+    static_assert(sizeof(V) == 4, "16-, 8- or 4-byte vectors only");
+    uint32_t r;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    *reinterpret_cast<uint32_t*>(&v) = r;
+  }
+  return v;
+}
+
+// The weights as stored in T: [E, R, C] contiguous.
+template <typename T, int kVec>
+struct DenseRows {
+  using V = Vec<T, kVec>;
+  static constexpr int kRowBytesPerValue = sizeof(T);
+  const T* weight;  // [E, R, C]
+  int64_t rows;     // R
+  int64_t cols;     // C
+
+  struct Row {
+    const V* values;
+  };
+
+  __device__ __forceinline__ Row row(int64_t e, int64_t r) const {
+    return {reinterpret_cast<const V*>(weight + (e * rows + r) * cols)};
+  }
+  template <bool kStreaming>
+  __device__ __forceinline__ static V load(const Row& row, int64_t i) {
+    if constexpr (kStreaming) {
+      return load_streaming(&row.values[i]);
+    } else {
+      return row.values[i];
+    }
+  }
+  __device__ __forceinline__ static const char* bytes(const Row& row) {
+    return reinterpret_cast<const char*>(row.values);
+  }
+};
+
+// FP8 (FineGrainedFP8, compressed-tensors): W[e, r, c] = T(float(q[e, r, c]) * scales[e, r / block_n,
+// c / block_k]), q e4m3. block_k % kVec == 0, so the kVec values of a load share one scale.
+template <typename T, int kVec>
+struct Fp8Rows {
+  using V = Vec<T, kVec>;
+  static_assert(kVec == 8 || kVec == 4, "8 or 4 e4m3 values a load");
+  static constexpr int kRowBytesPerValue = 1;
+  using Bytes = std::conditional_t<kVec == 8, uint2, uint32_t>;  // kVec e4m3 values
+  const uint8_t* weight;  // [E, R, C] e4m3
+  const float* scales;    // [E, ceil(R / block_n), ceil(C / block_k)]
+  int64_t rows;           // R
+  int64_t cols;           // C
+  int block_n;
+  int block_k;
+
+  struct Row {
+    const Bytes* values;
+    const float* scales;     // this row's block row
+    unsigned loads_a_block;  // block_k / kVec
+  };
+
+  __device__ __forceinline__ Row row(int64_t e, int64_t r) const {
+    const int64_t scale_rows = (rows + block_n - 1) / block_n;
+    const int64_t scale_cols = (cols + block_k - 1) / block_k;
+    return {reinterpret_cast<const Bytes*>(weight + (e * rows + r) * cols),
+            scales + (e * scale_rows + r / block_n) * scale_cols, static_cast<unsigned>(block_k / kVec)};
+  }
+  template <bool kStreaming>
+  __device__ __forceinline__ static V load(const Row& row, int64_t i) {
+    Bytes stored;
+    if constexpr (kStreaming) {
+      stored = load_streaming(&row.values[i]);
+    } else {
+      stored = row.values[i];
+    }
+    const float scale = __ldg(row.scales + static_cast<unsigned>(i) / row.loads_a_block);
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(&stored);
+    V out;
+#pragma unroll
+    for (int j = 0; j < kVec / 4; ++j) {
+      const float2 lo = e4m3x2_to_float2(words[j]);
+      const float2 hi = e4m3x2_to_float2(words[j] >> 16);
+      out.v[4 * j] = from_float<T>(__fmul_rn(lo.x, scale));
+      out.v[4 * j + 1] = from_float<T>(__fmul_rn(lo.y, scale));
+      out.v[4 * j + 2] = from_float<T>(__fmul_rn(hi.x, scale));
+      out.v[4 * j + 3] = from_float<T>(__fmul_rn(hi.y, scale));
+    }
+    return out;
+  }
+  __device__ __forceinline__ static const char* bytes(const Row& row) {
+    return reinterpret_cast<const char*>(row.values);
+  }
+};
+
+}  // namespace pagedkv::kernels
