@@ -28,7 +28,7 @@ inline void check_experts(const at::Tensor& w, const at::Tensor& x, const char* 
 }
 
 // Everything of a moe_gate_up_silu call but its weights: out [T, k, I], x [T, D], expert_ids
-// [T, k]. Shared with the FP8 experts' op (moe_fp8_checks.h).
+// [T, k]. Shared with the quantized experts' ops (moe_quantized_checks.h).
 inline void check_moe_gate_up_x(const at::Tensor& x, const at::Tensor& expert_ids) {
   check_float_dtype(x, "x");
   TORCH_CHECK(x.dim() == 2, "pagedkv: x must have shape [num_tokens, hidden], got ", x.sizes());
@@ -59,7 +59,7 @@ inline void check_moe_gate_up_silu_args(const at::Tensor& out, const at::Tensor&
 
 // Everything of a moe_down_sum call but its down weights: out [T, D], act [T, k, I], expert_ids
 // [T, k], weights [T, k] (float32 or act's dtype: HF rounds each weighted expert output to the
-// weights' dtype). Shared with the FP8 experts' op (moe_fp8_checks.h).
+// weights' dtype). Shared with the quantized experts' ops (moe_quantized_checks.h).
 inline void check_moe_down_sum_inputs(const at::Tensor& out, const at::Tensor& act, int64_t hidden,
                                       const at::Tensor& expert_ids, const at::Tensor& weights) {
   check_float_dtype(act, "act");

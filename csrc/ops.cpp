@@ -99,13 +99,19 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("moe_gate_up_silu(Tensor! out, Tensor x, Tensor gate_up, Tensor expert_ids) -> ()");
   // out[t] = sum_j weights[t, j] * (act[t, j] @ down[expert_ids[t, j]]^T) with HF's rounding.
   m.def("moe_down_sum(Tensor! out, Tensor act, Tensor down, Tensor expert_ids, Tensor weights) -> ()");
-  // The same two with FP8 experts (csrc/moe_fp8_checks.h): e4m3 gate, up [E, I, D] and down [E, D, I],
+  // The same two with FP8 experts (csrc/moe_quantized_checks.h): e4m3 gate, up [E, I, D] and down [E, D, I],
   // each with fp32 block scales [E, ceil(rows / block_n), ceil(cols / block_k)]; the dense ops' results
   // on the weights dequantized to the activations' dtype (one rounding a value).
   m.def("moe_gate_up_silu_fp8(Tensor! out, Tensor x, Tensor gate, Tensor gate_scales, Tensor up, "
         "Tensor up_scales, Tensor expert_ids, int block_n, int block_k) -> ()");
   m.def("moe_down_sum_fp8(Tensor! out, Tensor act, Tensor down, Tensor down_scales, Tensor expert_ids, "
         "Tensor weights, int block_n, int block_k) -> ()");
+  // And with int4 experts (AWQ, GPTQ without desc_act, compressed-tensors W4A16): packed [E, rows, cols / 2]
+  // uint8, scales [E, rows, cols / group_size] (float32/16, bfloat16), zeros likewise uint8.
+  m.def("moe_gate_up_silu_int4(Tensor! out, Tensor x, Tensor gate, Tensor gate_scales, Tensor gate_zeros, "
+        "Tensor up, Tensor up_scales, Tensor up_zeros, Tensor expert_ids, int group_size) -> ()");
+  m.def("moe_down_sum_int4(Tensor! out, Tensor act, Tensor down, Tensor down_scales, Tensor down_zeros, "
+        "Tensor expert_ids, Tensor weights, int group_size) -> ()");
   // HF's router after its linear: ids [T, k] and weights [T, k] (float32 or logits' dtype) of the
   // top-k of softmax(logits [T, E]) in fp32 (torch.topk's ties), divided by their sum if normalize.
   m.def("moe_topk(Tensor! expert_ids, Tensor! weights, Tensor logits, bool normalize) -> ()");

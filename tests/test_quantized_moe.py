@@ -149,16 +149,16 @@ def test_dequantize_int4_experts_is_each_experts_own_dequantization(desc_act, sc
         assert torch.equal(dequantize_all(stacked, torch.float32, chunk), every)
 
 
-@pytest.mark.parametrize("path", ["pairs gathered", "each expert once", "FP8 ops off"])
+@pytest.mark.parametrize("path", ["pairs gathered", "each expert once", "expert ops off"])
 @pytest.mark.parametrize("case", list(FORMATS))
 def test_generate_matches_hf_on_the_dequantized_model(tmp_path, case, path, monkeypatch):
-    """Decode steps gather their pairs (FP8 experts: the FP8 expert ops; "FP8 ops off": the
-    dequantizing path they replace), or every step takes each hit expert once."""
+    """Decode steps gather their pairs (FP8 and int4 experts: the quantized expert ops; "expert ops
+    off": the dequantizing path they replace), or every step takes each hit expert once."""
     form = FORMS.get(case.split("-")[0], Fp8Experts)
-    if path == "FP8 ops off":
-        if form is not Fp8Experts:
-            pytest.skip("no FP8 experts")
-        monkeypatch.setattr(moe, "fp8_kernels_take", lambda *args: False)
+    if path == "expert ops off":
+        if form is torch.Tensor:
+            pytest.skip("dense experts")
+        monkeypatch.setattr(moe, "quantized_kernels_take", lambda *args: False)
     monkeypatch.setattr(moe, "GROUPED_MIN_PAIRS", 0 if path == "each expert once" else 10**9)
     reference = write_checkpoint(tmp_path, case)
     model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")

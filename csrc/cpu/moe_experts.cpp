@@ -1,15 +1,15 @@
 // CPU moe_gate_up_silu and moe_down_sum: each (token, chosen expert) pair is one matrix-vector
 // product with that expert's weights through ATen, rounded as HF's grouped experts forward rounds.
-// Their FP8 forms dequantize the chosen experts to the activations' dtype (one fp32 product a
-// value, rounded once: layers/moe_quantized.py's dequantize_experts) and run the same code on
-// them, so each gives its dense op's bits on the dequantized weights.
+// Their FP8 and int4 forms dequantize the chosen experts to the activations' dtype (one fp32
+// product a value, rounded once: layers/moe_quantized.py's dequantize_experts) and run the same
+// code on them, so each gives its dense op's bits on the dequantized weights.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <unordered_map>
 
 #include "moe_checks.h"
-#include "moe_fp8_checks.h"
+#include "moe_quantized_checks.h"
 
 namespace pagedkv {
 
@@ -51,6 +51,19 @@ at::Tensor dequantize_fp8_experts(const at::Tensor& weight, const at::Tensor& sc
   const at::Tensor s = scales.index_select(0, experts).repeat_interleave(block_n, 1).slice(1, 0, n)
                            .repeat_interleave(block_k, 2).slice(2, 0, k);  // [U, n, k] fp32
   return at::mul(q, s).to(dtype);  // computed in fp32, rounded once
+}
+
+// Experts `experts` [U] of an int4 projection (packed [E, n, k / 2], scales and zeros [E, n, k / g])
+// dequantized: [U, n, k] in dtype, each value (q - zero) * scale in fp32, rounded once.
+at::Tensor dequantize_int4_experts(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
+                                   const at::Tensor& experts, int64_t group_size, at::ScalarType dtype) {
+  const at::Tensor p = packed.index_select(0, experts);  // [U, n, k / 2]
+  const int64_t count = p.size(0), n = p.size(1), k = 2 * p.size(2);
+  const at::Tensor q = at::stack({p.bitwise_and(0xF), p.bitwise_right_shift(4)}, -1)
+                           .view({count, n, k / group_size, group_size}).to(at::kFloat);  // even column low
+  const at::Tensor z = zeros.index_select(0, experts).unsqueeze(-1).to(at::kFloat);
+  const at::Tensor s = scales.index_select(0, experts).unsqueeze(-1).to(at::kFloat);
+  return ((q - z) * s).to(dtype).view({count, n, k});
 }
 
 }  // namespace
@@ -106,11 +119,37 @@ void moe_down_sum_fp8_cpu(at::Tensor& out, const at::Tensor& act, const at::Tens
                    local_ids, weights);
 }
 
+void moe_gate_up_silu_int4_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate,
+                               const at::Tensor& gate_scales, const at::Tensor& gate_zeros, const at::Tensor& up,
+                               const at::Tensor& up_scales, const at::Tensor& up_zeros, const at::Tensor& expert_ids,
+                               int64_t group_size) {
+  check_moe_gate_up_silu_int4_args(out, x, gate, gate_scales, gate_zeros, up, up_scales, up_zeros, expert_ids,
+                                   group_size);
+  const auto [experts, local_ids] = distinct_experts(expert_ids, gate.size(0));
+  const at::ScalarType dtype = x.scalar_type();
+  const at::Tensor gate_up = at::cat({dequantize_int4_experts(gate, gate_scales, gate_zeros, experts, group_size, dtype),
+                                      dequantize_int4_experts(up, up_scales, up_zeros, experts, group_size, dtype)},
+                                     1);  // [U, 2I, D]
+  moe_gate_up_silu_cpu(out, x, gate_up, local_ids);
+}
+
+void moe_down_sum_int4_cpu(at::Tensor& out, const at::Tensor& act, const at::Tensor& down,
+                           const at::Tensor& down_scales, const at::Tensor& down_zeros, const at::Tensor& expert_ids,
+                           const at::Tensor& weights, int64_t group_size) {
+  check_moe_down_sum_int4_args(out, act, down, down_scales, down_zeros, expert_ids, weights, group_size);
+  const auto [experts, local_ids] = distinct_experts(expert_ids, down.size(0));
+  moe_down_sum_cpu(out, act,
+                   dequantize_int4_experts(down, down_scales, down_zeros, experts, group_size, act.scalar_type()),
+                   local_ids, weights);
+}
+
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("moe_gate_up_silu", &moe_gate_up_silu_cpu);
   m.impl("moe_down_sum", &moe_down_sum_cpu);
   m.impl("moe_gate_up_silu_fp8", &moe_gate_up_silu_fp8_cpu);
   m.impl("moe_down_sum_fp8", &moe_down_sum_fp8_cpu);
+  m.impl("moe_gate_up_silu_int4", &moe_gate_up_silu_int4_cpu);
+  m.impl("moe_down_sum_int4", &moe_down_sum_int4_cpu);
 }
 
 }  // namespace pagedkv

@@ -6,9 +6,9 @@
 //
 // A format provides:
 //   Row row(e, r)                  row r of expert e
-//   static Vec<T, kVec> load<kStreaming>(row, i)   the row's i-th kVec values (kStreaming: read
-//                                  once, through the non-coherent path without allocating in L1)
-//   static const char* bytes(row), kRowBytesPerValue   the row's stored bytes (L2 prefetches)
+//   Vec<T, kVec> load<kStreaming>(row, i)   the row's i-th kVec values (kStreaming: read once,
+//                                  through the non-coherent path without allocating in L1)
+//   static const char* bytes(row), row_bytes(cols)   a row's stored bytes (L2 prefetches)
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -18,7 +18,7 @@
 
 namespace pagedkv::kernels {
 
-// 16, 8 or 4 bytes of expert weight, read once: through the non-coherent path and without
+// 16, 8, 4 or 2 bytes of expert weight, read once: through the non-coherent path and without
 // allocating in L1, which is left to what the warps share (as gemv.cu's load_streaming).
 template <typename V>
 __device__ __forceinline__ V load_streaming(const V* p) {
@@ -33,11 +33,15 @@ __device__ __forceinline__ V load_streaming(const V* p) {
     uint2 r;
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     *reinterpret_cast<uint2*>(&v) = r;
-  } else {
-    static_assert(sizeof(V) == 4, "16-, 8- or 4-byte vectors only");
+  } else if constexpr (sizeof(V) == 4) {
     uint32_t r;
     asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
     *reinterpret_cast<uint32_t*>(&v) = r;
+  } else {
+    static_assert(sizeof(V) == 2, "16-, 8-, 4- or 2-byte vectors only");
+    uint16_t r;
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    *reinterpret_cast<uint16_t*>(&v) = r;
   }
   return v;
 }
@@ -46,7 +50,7 @@ __device__ __forceinline__ V load_streaming(const V* p) {
 template <typename T, int kVec>
 struct DenseRows {
   using V = Vec<T, kVec>;
-  static constexpr int kRowBytesPerValue = sizeof(T);
+  static constexpr int64_t row_bytes(int64_t cols) { return cols * static_cast<int64_t>(sizeof(T)); }
   const T* weight;  // [E, R, C]
   int64_t rows;     // R
   int64_t cols;     // C
@@ -59,7 +63,7 @@ struct DenseRows {
     return {reinterpret_cast<const V*>(weight + (e * rows + r) * cols)};
   }
   template <bool kStreaming>
-  __device__ __forceinline__ static V load(const Row& row, int64_t i) {
+  __device__ __forceinline__ V load(const Row& row, int64_t i) const {
     if constexpr (kStreaming) {
       return load_streaming(&row.values[i]);
     } else {
@@ -77,7 +81,7 @@ template <typename T, int kVec>
 struct Fp8Rows {
   using V = Vec<T, kVec>;
   static_assert(kVec == 8 || kVec == 4, "8 or 4 e4m3 values a load");
-  static constexpr int kRowBytesPerValue = 1;
+  static constexpr int64_t row_bytes(int64_t cols) { return cols; }
   using Bytes = std::conditional_t<kVec == 8, uint2, uint32_t>;  // kVec e4m3 values
   const uint8_t* weight;  // [E, R, C] e4m3
   const float* scales;    // [E, ceil(R / block_n), ceil(C / block_k)]
@@ -99,7 +103,7 @@ struct Fp8Rows {
             scales + (e * scale_rows + r / block_n) * scale_cols, static_cast<unsigned>(block_k / kVec)};
   }
   template <bool kStreaming>
-  __device__ __forceinline__ static V load(const Row& row, int64_t i) {
+  __device__ __forceinline__ V load(const Row& row, int64_t i) const {
     Bytes stored;
     if constexpr (kStreaming) {
       stored = load_streaming(&row.values[i]);
@@ -117,6 +121,62 @@ struct Fp8Rows {
       out.v[4 * j + 1] = from_float<T>(__fmul_rn(lo.y, scale));
       out.v[4 * j + 2] = from_float<T>(__fmul_rn(hi.x, scale));
       out.v[4 * j + 3] = from_float<T>(__fmul_rn(hi.y, scale));
+    }
+    return out;
+  }
+  __device__ __forceinline__ static const char* bytes(const Row& row) {
+    return reinterpret_cast<const char*>(row.values);
+  }
+};
+
+// Int4 weight-only (AWQ, GPTQ without desc_act, compressed-tensors W4A16), as layers/moe_quantized.py's
+// Int4Experts: W[e, r, c] = T(float(q - zeros[e, r, c / g]) * float(scales[e, r, c / g])), q the
+// low (even c) or high (odd c) nibble of packed[e, r, c / 2]. g % kVec == 0, so the kVec values
+// of a load share one group; the scales in their checkpoint's dtype (scale_dtype, read as stored).
+template <typename T, int kVec>
+struct Int4Rows {
+  using V = Vec<T, kVec>;
+  static_assert(kVec == 8 || kVec == 4, "8 or 4 int4 values a load");
+  static constexpr int64_t row_bytes(int64_t cols) { return cols / 2; }
+  using Bytes = std::conditional_t<kVec == 8, uint32_t, uint16_t>;  // kVec values, two a byte
+  const uint8_t* packed;  // [E, R, C / 2]
+  const void* scales;     // [E, R, C / g] of scale_dtype
+  const uint8_t* zeros;   // [E, R, C / g]
+  int64_t rows;           // R
+  int64_t cols;           // C
+  int group_size;         // g
+  DType scale_dtype;
+
+  // Kept small: the down kernels hold kDownGroup of them in registers.
+  struct Row {
+    const Bytes* values;
+    int64_t groups;  // the row's first group: e * R * (C / g) + r * (C / g)
+  };
+
+  __device__ __forceinline__ Row row(int64_t e, int64_t r) const {
+    return {reinterpret_cast<const Bytes*>(packed + (e * rows + r) * (cols / 2)), (e * rows + r) * (cols / group_size)};
+  }
+  __device__ __forceinline__ float scale_at(int64_t group) const {
+    if (scale_dtype == DType::kBFloat16) return to_float(static_cast<const __nv_bfloat16*>(scales)[group]);
+    if (scale_dtype == DType::kFloat16) return to_float(static_cast<const __half*>(scales)[group]);
+    return static_cast<const float*>(scales)[group];
+  }
+  template <bool kStreaming>
+  __device__ __forceinline__ V load(const Row& row, int64_t i) const {
+    Bytes stored;
+    if constexpr (kStreaming) {
+      stored = load_streaming(&row.values[i]);
+    } else {
+      stored = row.values[i];
+    }
+    const int64_t group = row.groups + static_cast<unsigned>(i) / static_cast<unsigned>(group_size / kVec);
+    const float scale = scale_at(group);
+    const int zero = zeros[group];
+    V out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int q = (static_cast<uint32_t>(stored) >> (4 * j)) & 0xF;
+      out.v[j] = from_float<T>(__fmul_rn(static_cast<float>(q - zero), scale));
     }
     return out;
   }

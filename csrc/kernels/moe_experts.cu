@@ -17,20 +17,20 @@ namespace {
 constexpr int kWarps = 8;  // output rows per block
 constexpr int kThreads = kWarps * 32;
 
-// (a . b1, a . b2) over n elements (kVec-element vectors; b1, b2 rows of a Rows format), each summed per
+// (a . b1, a . b2) over n elements (kVec-element vectors; b1 a row of rows1, b2 of rows2), each summed per
 // lane in order, then over the warp (every lane gets both); one loop so that a lane's loads of
 // both rows (and of several of its vectors: unrolled) are in flight together.
 template <typename T, int kVec, typename Rows>
-__device__ __forceinline__ float2 warp_dot2(const T* __restrict__ a, const typename Rows::Row& b1,
-                                            const typename Rows::Row& b2, int64_t n) {
+__device__ __forceinline__ float2 warp_dot2(const T* __restrict__ a, const Rows& rows1, const typename Rows::Row& b1,
+                                            const Rows& rows2, const typename Rows::Row& b2, int64_t n) {
   using V = Vec<T, kVec>;
   const V* va = reinterpret_cast<const V*>(a);
   float s1 = 0.f, s2 = 0.f;
 #pragma unroll 4
   for (int64_t i = threadIdx.x % 32; i < n / kVec; i += 32) {
     const V x = va[i];
-    const V y1 = Rows::template load<false>(b1, i);
-    const V y2 = Rows::template load<false>(b2, i);
+    const V y1 = rows1.template load<false>(b1, i);
+    const V y2 = rows2.template load<false>(b2, i);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       s1 = fmaf(to_float(x.v[j]), to_float(y1.v[j]), s1);
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) moe_gate_up_silu_kernel(
   T result = from_float<T>(0.f);
   if (e >= 0 && e < num_experts) {
     const T* token = x + (pair / top_k) * hidden;
-    const float2 gu = warp_dot2<T, kVec, Rows>(token, gate.row(e, row), up.row(e, up_first + row), hidden);
+    const float2 gu = warp_dot2<T, kVec, Rows>(token, gate, gate.row(e, row), up, up.row(e, up_first + row), hidden);
     const T g = from_float<T>(gu.x);
     const T u = from_float<T>(gu.y);
     result = silu_mul(g, u);
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
       for (int g = 0; g < kDownGroup; ++g) {
         if (valid[g]) {
           a[g] = a_row[g][i];
-          d[g] = Rows::template load<false>(d_row[g], i);
+          d[g] = down.template load<false>(d_row[g], i);
         }
       }
 #pragma unroll
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
   const int vecs = static_cast<int>(intermediate / kVec);
   // The warp's k weight rows asked of L2 first (one 128-byte line a lane), so DRAM streams them
   // while the block stages act; the loads below then find them in L2.
-  const int lines = static_cast<int>((intermediate * Rows::kRowBytesPerValue + 127) / 128);
+  const int lines = static_cast<int>((Rows::row_bytes(intermediate) + 127) / 128);
   for (int64_t j = 0; row < hidden && j < top_k; ++j) {
     const int64_t e = ids[t * top_k + j];
     if (e < 0 || e >= num_experts) continue;
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
       V d[kDownGroup];
 #pragma unroll
       for (int g = 0; g < kDownGroup; ++g) {
-        if (valid[g]) d[g] = Rows::template load<true>(d_row[g], i);
+        if (valid[g]) d[g] = down.template load<true>(d_row[g], i);
       }
       // act from shared memory one expert at a time, as its products are taken: only the
       // weights' registers stay live across the loads' latency.
@@ -309,7 +309,7 @@ cudaError_t moe_gate_up_silu_fp8(void* out, const void* x, const uint8_t* gate, 
                                  int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                                  int64_t intermediate, int block_n, int block_k, DType dtype, cudaStream_t stream) {
   if (num_tokens == 0 || intermediate == 0) return cudaSuccess;
-  if (hidden % kMoeFp8Align != 0 || block_k % kMoeFp8Align != 0 || !aligned16(x) || !aligned16(gate) ||
+  if (hidden % kMoeQuantAlign != 0 || block_k % kMoeQuantAlign != 0 || !aligned16(x) || !aligned16(gate) ||
       !aligned16(up)) {
     return cudaErrorInvalidValue;
   }
@@ -329,7 +329,7 @@ cudaError_t moe_down_sum_fp8(void* out, const void* act, const uint8_t* down, co
                              int64_t top_k, int64_t num_experts, int64_t hidden, int64_t intermediate, int block_n,
                              int block_k, DType dtype, cudaStream_t stream) {
   if (num_tokens == 0 || hidden == 0) return cudaSuccess;
-  if (intermediate % kMoeFp8Align != 0 || block_k % kMoeFp8Align != 0 || !aligned16(act) || !aligned16(down)) {
+  if (intermediate % kMoeQuantAlign != 0 || block_k % kMoeQuantAlign != 0 || !aligned16(act) || !aligned16(down)) {
     return cudaErrorInvalidValue;
   }
   return dispatch_dtype(dtype, [&](auto tag) {
@@ -338,6 +338,49 @@ cudaError_t moe_down_sum_fp8(void* out, const void* act, const uint8_t* down, co
     launch_down_sum<T, kVec>(out, act, Fp8Rows<T, kVec>{down, down_scales, hidden, intermediate, block_n, block_k},
                              expert_ids, weights, weights_fp32, num_tokens, top_k, num_experts, hidden, intermediate,
                              stream);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t moe_gate_up_silu_int4(void* out, const void* x, const Int4ExpertsArgs& gate, const Int4ExpertsArgs& up,
+                                  const int64_t* expert_ids, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                                  int64_t hidden, int64_t intermediate, DType dtype, cudaStream_t stream) {
+  if (num_tokens == 0 || intermediate == 0) return cudaSuccess;
+  for (const Int4ExpertsArgs* p : {&gate, &up}) {
+    if (hidden % kMoeQuantAlign != 0 || p->group_size % kMoeQuantAlign != 0 || hidden % p->group_size != 0 ||
+        !aligned16(p->packed)) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  if (!aligned16(x)) return cudaErrorInvalidValue;
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = 16 / sizeof(T);
+    auto rows = [&](const Int4ExpertsArgs& p) {
+      return Int4Rows<T, kVec>{p.packed, p.scales, p.zeros, intermediate, hidden, p.group_size, p.scale_dtype};
+    };
+    launch_gate_up_silu<T, kVec>(out, x, rows(gate), rows(up), 0, expert_ids, num_tokens, top_k, num_experts, hidden,
+                                 intermediate, stream);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t moe_down_sum_int4(void* out, const void* act, const Int4ExpertsArgs& down, const int64_t* expert_ids,
+                              const void* weights, bool weights_fp32, int64_t num_tokens, int64_t top_k,
+                              int64_t num_experts, int64_t hidden, int64_t intermediate, DType dtype,
+                              cudaStream_t stream) {
+  if (num_tokens == 0 || hidden == 0) return cudaSuccess;
+  if (intermediate % kMoeQuantAlign != 0 || down.group_size % kMoeQuantAlign != 0 ||
+      intermediate % down.group_size != 0 || !aligned16(act) || !aligned16(down.packed)) {
+    return cudaErrorInvalidValue;
+  }
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = 16 / sizeof(T);
+    const Int4Rows<T, kVec> rows{down.packed, down.scales, down.zeros, hidden, intermediate, down.group_size,
+                                 down.scale_dtype};
+    launch_down_sum<T, kVec>(out, act, rows, expert_ids, weights, weights_fp32, num_tokens, top_k, num_experts,
+                             hidden, intermediate, stream);
     return cudaGetLastError();
   });
 }

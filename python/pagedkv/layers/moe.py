@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.moe_quantized import (QuantizedExperts, dequantize_all, dequantize_experts, fp8_kernels_take,
-                                          gathered_experts, moe_down_sum_fp8, moe_gate_up_silu_fp8, num_experts)
+from pagedkv.layers.moe_quantized import (QuantizedExperts, dequantize_all, dequantize_experts, gathered_experts,
+                                          moe_down_sum_quantized, moe_gate_up_silu_quantized, num_experts,
+                                          quantized_kernels_take)
 
 _ops = torch.ops.pagedkv
 # Above this many (token, expert) pairs outside graph capture, group by expert (one GEMM per hit
@@ -104,8 +105,8 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) 
     quantized = not isinstance(w.down, torch.Tensor)  # a quantized checkpoint's (layers/moe_quantized.py)
     if pairs >= GROUPED_MIN_PAIRS and not capturing:
         out = _grouped_experts(x, w, ids, weights)
-    elif quantized and fp8_kernels_take(x, *w.gate_up, w.down):  # the stored bytes read once
-        out = moe_down_sum_fp8(moe_gate_up_silu_fp8(x, *w.gate_up, ids), w.down, ids, weights)
+    elif quantized and quantized_kernels_take(x, *w.gate_up, w.down):  # the stored bytes read once
+        out = moe_down_sum_quantized(moe_gate_up_silu_quantized(x, *w.gate_up, ids), w.down, ids, weights)
     elif quantized and pairs > num_experts(w.down):
         # More pairs than experts (captured, or under GROUPED_MIN_PAIRS): every expert dequantized
         # once (a temporary of the layer's size, however many rows the step has), then the kernels.
