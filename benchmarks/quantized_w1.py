@@ -1,8 +1,10 @@
-"""bench_quantized.py's checkpoints: an HF model's decoder linears written in a quantized format's
-exact on-disk tensors (pagedkv.tools.quant_writers, the writers the tests check), the rest
-(embedding, norms, biases, LM head) in bfloat16 as these checkpoints keep them; one safetensors
-shard a layer and model.safetensors.index.json, so at most one layer's tensors sit on the host.
-Quantized on the model's device (the GPU in the W1 run: seconds, where the CPU takes minutes)."""
+"""bench_quantized.py's and bench_moe_quantized.py's checkpoints: an HF model's decoder linears
+written in a quantized format's exact on-disk tensors (pagedkv.tools.quant_writers, the writers the
+tests check), a mixture-of-experts layer's experts one by one under the names save_pretrained
+gives them (mlp.experts.E.gate_proj / up_proj / down_proj), the rest (embedding, norms, routers,
+biases, LM head) in bfloat16 as these checkpoints keep them; one safetensors shard a layer and
+model.safetensors.index.json, so at most one layer's tensors sit on the host. Quantized on the
+model's device (the GPU in the W1 run: seconds, where the CPU takes minutes)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,23 @@ def is_quantized_linear(name: str) -> bool:
     return leaf == "weight" and module.rpartition(".")[2] in LINEARS
 
 
+def expert_tensors(name: str, p: torch.Tensor, fmt: Format) -> dict[str, torch.Tensor]:
+    """transformers' stacked experts (mlp.experts.gate_up_proj [E, 2I, D]: each expert's gate rows,
+    then its up rows; mlp.experts.down_proj [E, D, I]) as the checkpoint stores them, expert by
+    expert, each projection in the format."""
+    base, _, leaf = name.rpartition(".")  # model.layers.N.mlp.experts, gate_up_proj | down_proj
+    out = {}
+    for e in range(p.shape[0]):
+        parts = dict(zip(("gate_proj", "up_proj"), p[e].chunk(2))) if leaf == "gate_up_proj" else {"down_proj": p[e]}
+        for proj, w in parts.items():
+            out.update({f"{base}.{e}.{proj}.{k}": v for k, v in fmt.write(w.contiguous()).items()})
+    return out
+
+
+def is_stacked_experts(name: str) -> bool:
+    return name.rpartition(".")[2] in ("gate_up_proj", "down_proj") and ".experts." in name + "."
+
+
 def write_checkpoint(model: torch.nn.Module, folder: pathlib.Path, fmt: Format, progress: bool = True) -> int:
     """model's weights as a `fmt` checkpoint in `folder` (config.json with its
     quantization_config, generation_config.json, shards + index). Returns the bytes written."""
@@ -78,6 +97,9 @@ def write_checkpoint(model: torch.nn.Module, folder: pathlib.Path, fmt: Format, 
                 with torch.no_grad():
                     stored = fmt.write(p.detach())
                 tensors.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in stored.items()})
+            elif is_stacked_experts(name):
+                with torch.no_grad():
+                    tensors.update(expert_tensors(name, p.detach(), fmt))
             else:
                 tensors[name] = p.detach().to(torch.bfloat16)
         save(tensors, f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors")
