@@ -8,7 +8,7 @@
 //   Row row(e, r)                  row r of expert e
 //   Vec<T, kVec> load<kStreaming>(row, i)   the row's i-th kVec values (kStreaming: read once,
 //                                  through the non-coherent path without allocating in L1)
-//   static const char* bytes(row), row_bytes(cols)   a row's stored bytes (L2 prefetches)
+//   row.values, row_bytes(cols)    where a row's stored bytes start, and how many (L2 prefetches)
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -46,6 +46,16 @@ __device__ __forceinline__ V load_streaming(const V* p) {
   return v;
 }
 
+// One vector of stored values: streamed (read once) or through L1.
+template <bool kStreaming, typename B>
+__device__ __forceinline__ B load_stored(const B* p) {
+  if constexpr (kStreaming) {
+    return load_streaming(p);
+  } else {
+    return *p;
+  }
+}
+
 // The weights as stored in T: [E, R, C] contiguous.
 template <typename T, int kVec>
 struct DenseRows {
@@ -64,14 +74,7 @@ struct DenseRows {
   }
   template <bool kStreaming>
   __device__ __forceinline__ V load(const Row& row, int64_t i) const {
-    if constexpr (kStreaming) {
-      return load_streaming(&row.values[i]);
-    } else {
-      return row.values[i];
-    }
-  }
-  __device__ __forceinline__ static const char* bytes(const Row& row) {
-    return reinterpret_cast<const char*>(row.values);
+    return load_stored<kStreaming>(&row.values[i]);
   }
 };
 
@@ -104,12 +107,7 @@ struct Fp8Rows {
   }
   template <bool kStreaming>
   __device__ __forceinline__ V load(const Row& row, int64_t i) const {
-    Bytes stored;
-    if constexpr (kStreaming) {
-      stored = load_streaming(&row.values[i]);
-    } else {
-      stored = row.values[i];
-    }
+    const Bytes stored = load_stored<kStreaming>(&row.values[i]);
     const float scale = __ldg(row.scales + static_cast<unsigned>(i) / row.loads_a_block);
     const uint32_t* words = reinterpret_cast<const uint32_t*>(&stored);
     V out;
@@ -123,9 +121,6 @@ struct Fp8Rows {
       out.v[4 * j + 3] = from_float<T>(__fmul_rn(hi.y, scale));
     }
     return out;
-  }
-  __device__ __forceinline__ static const char* bytes(const Row& row) {
-    return reinterpret_cast<const char*>(row.values);
   }
 };
 
@@ -163,12 +158,7 @@ struct Int4Rows {
   }
   template <bool kStreaming>
   __device__ __forceinline__ V load(const Row& row, int64_t i) const {
-    Bytes stored;
-    if constexpr (kStreaming) {
-      stored = load_streaming(&row.values[i]);
-    } else {
-      stored = row.values[i];
-    }
+    const Bytes stored = load_stored<kStreaming>(&row.values[i]);
     const int64_t group = row.groups + static_cast<unsigned>(i) / static_cast<unsigned>(group_size / kVec);
     const float scale = scale_at(group);
     const int zero = zeros[group];
@@ -179,9 +169,6 @@ struct Int4Rows {
       out.v[j] = from_float<T>(__fmul_rn(static_cast<float>(q - zero), scale));
     }
     return out;
-  }
-  __device__ __forceinline__ static const char* bytes(const Row& row) {
-    return reinterpret_cast<const char*>(row.values);
   }
 };
 

@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
   for (int64_t j = 0; row < hidden && j < top_k; ++j) {
     const int64_t e = ids[t * top_k + j];
     if (e < 0 || e >= num_experts) continue;
-    const char* d = Rows::bytes(down.row(e, row));
+    const char* d = reinterpret_cast<const char*>(down.row(e, row).values);
     for (int c = threadIdx.x % 32; c < lines; c += 32) {
       asm volatile("prefetch.global.L2 [%0];" ::"l"(d + c * 128));
     }
