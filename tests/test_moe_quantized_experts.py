@@ -1,4 +1,4 @@
-"""The quantized expert ops (layers/moe_quantized.py's moe_gate_up_silu_fp8 / _int4 and
+"""The quantized expert ops (layers/moe_quantized_ops.py's moe_gate_up_silu_fp8 / _int4 and
 moe_down_sum_fp8 / _int4): a quantized checkpoint's experts read as stored, FP8 (e4m3 with block,
 per-channel and per-tensor scales) and int4 (group scales in fp32 / fp16 / bf16 and zero points).
 Each equals its dense op (layers/moe.py) on the same experts dequantized to the activations' dtype
@@ -13,8 +13,8 @@ import torch
 
 from conftest import DEVICES
 from pagedkv.layers import moe
-from pagedkv.layers.moe_quantized import (Fp8Experts, Int4Experts, dequantize_all, moe_down_sum_quantized,
-                                          moe_gate_up_silu_quantized, quantized_kernels_take)
+from pagedkv.layers.moe_quantized import Fp8Experts, Int4Experts, dequantize_all
+from pagedkv.layers.moe_quantized_ops import moe_down_sum_quantized, moe_gate_up_silu_quantized, quantized_kernels_take
 from test_moe import random_ids
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

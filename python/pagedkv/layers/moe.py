@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from pagedkv import ops
 from pagedkv.layers.moe_quantized import (QuantizedExperts, dequantize_all, dequantize_experts, gathered_experts,
-                                          moe_down_sum_quantized, moe_gate_up_silu_quantized, num_experts,
-                                          quantized_kernels_take)
+                                          num_experts)
+from pagedkv.layers.moe_quantized_ops import moe_down_sum_quantized, moe_gate_up_silu_quantized, quantized_kernels_take
 
 _ops = torch.ops.pagedkv
 # Above this many (token, expert) pairs outside graph capture, group by expert (one GEMM per hit

@@ -6,10 +6,10 @@ Qwen3-MoE, OLMoE, Mixtral), each projection of every expert stacked over the exp
                  two a byte, a scale and a zero point per group of input columns
     gate, up [E, I, D] each; down [E, D, I]
 
-FP8 and int4 experts whose shapes the kernels take (quantized_kernels_take) run a step that does
-not group by expert through the quantized expert ops (moe_gate_up_silu_fp8 / _int4,
-moe_down_sum_fp8 / _int4): each chosen expert's stored bytes read once, dequantized in registers
-to the dense ops' exact inputs. The rest (GPTQ desc_act's column orders, odd widths) run by
+FP8 and int4 experts whose shapes the kernels take run a step that does not group by expert
+through the quantized expert ops (layers/moe_quantized_ops.py): each chosen expert's stored bytes
+read once, dequantized in registers to the dense ops' exact inputs. The rest (GPTQ desc_act's
+column orders, odd widths) run by
 dequantizing what a step needs into temporaries in the activations' dtype, with device ops only
 (capturable) except where noted: a step of at most as many (token, expert) pairs as experts
 (decode) gathers its pairs' experts (gathered_experts); a step of more pairs that does not group
@@ -25,12 +25,6 @@ import dataclasses
 import torch
 
 from pagedkv import ops
-
-_ops = torch.ops.pagedkv
-# The quantized expert kernels read 16 bytes of activations under one scale at a time: input widths,
-# FP8 block_k and int4 group sizes multiples of this, tensors 16-byte aligned
-# (csrc/moe_quantized_checks.h).
-KERNEL_ALIGN = 16
 
 
 @dataclasses.dataclass(slots=True)
@@ -65,13 +59,13 @@ class Int4Experts:
 QuantizedExperts = Fp8Experts | Int4Experts
 
 
-def _values(w: QuantizedExperts) -> torch.Tensor:
+def stored_values(w: QuantizedExperts) -> torch.Tensor:
     """The stored values [E, R, ...] (e4m3 weights or packed int4)."""
     return w.weight if isinstance(w, Fp8Experts) else w.packed
 
 
 def num_experts(w: QuantizedExperts) -> int:
-    return _values(w).shape[0]
+    return stored_values(w).shape[0]
 
 
 def dequantize_experts(w: QuantizedExperts, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -97,7 +91,7 @@ def dequantize_all(w: QuantizedExperts, dtype: torch.dtype, chunk: int = 16) -> 
     """Every expert's weight [E, R, C] in dtype, chunk experts at a time (so the fp32 temporary
     stays chunk experts large)."""
     count = num_experts(w)
-    ids = torch.arange(count, device=_values(w).device)
+    ids = torch.arange(count, device=stored_values(w).device)
     first = dequantize_experts(w, ids[:chunk], dtype)
     out = first.new_empty((count, *first.shape[1:]))
     out[:chunk] = first
@@ -168,104 +162,3 @@ def gathered_experts(x: torch.Tensor, gate: QuantizedExperts, up: QuantizedExper
     u = torch.bmm(dequantize_experts(up, flat, x.dtype), column)
     act = ops.silu_and_mul(torch.cat([g, u], dim=1).squeeze(-1))  # [P, I]
     return torch.bmm(dequantize_experts(down, flat, x.dtype), act.unsqueeze(-1)).squeeze(-1)  # [P, D]
-
-
-def quantized_kernels_take(x: torch.Tensor, gate: QuantizedExperts, up: QuantizedExperts,
-                           down: QuantizedExperts) -> bool:
-    """Whether the quantized expert ops take these projections for activations x: all three FP8 or
-    all int4 (no desc_act column order), gate and up in one block shape / group size, each input
-    width and block_k / group size a multiple of KERNEL_ALIGN (a group size dividing the width),
-    x and the stored values 16-byte aligned."""
-    kind = type(down)
-    if not all(type(p) is kind for p in (gate, up)):
-        return False
-    if kind is Fp8Experts:
-        fits = gate.block == up.block and all(p.block[1] % KERNEL_ALIGN == 0 for p in (gate, down))
-    else:
-        fits = (gate.group_size == up.group_size and all(p.perm is None for p in (gate, up, down))
-                and all(p.group_size % KERNEL_ALIGN == 0 and _width(p) % p.group_size == 0 for p in (gate, down)))
-    widths_ok = all(_width(p) % KERNEL_ALIGN == 0 for p in (gate, down))
-    return fits and widths_ok and all(t.data_ptr() % 16 == 0 for t in (x, *(_values(p) for p in (gate, up, down))))
-
-
-def _width(w: QuantizedExperts) -> int:
-    """The input columns C of a projection [E, R, C]."""
-    return w.weight.shape[-1] if isinstance(w, Fp8Experts) else 2 * w.packed.shape[-1]
-
-
-def moe_gate_up_silu_quantized(x: torch.Tensor, gate: QuantizedExperts, up: QuantizedExperts,
-                               expert_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """moe_gate_up_silu_fp8 or moe_gate_up_silu_int4, by the experts' format."""
-    if isinstance(gate, Fp8Experts):
-        return moe_gate_up_silu_fp8(x, gate, up, expert_ids, out)
-    return moe_gate_up_silu_int4(x, gate, up, expert_ids, out)
-
-
-def moe_down_sum_quantized(act: torch.Tensor, down: QuantizedExperts, expert_ids: torch.Tensor,
-                           weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """moe_down_sum_fp8 or moe_down_sum_int4, by the experts' format."""
-    if isinstance(down, Fp8Experts):
-        return moe_down_sum_fp8(act, down, expert_ids, weights, out)
-    return moe_down_sum_int4(act, down, expert_ids, weights, out)
-
-
-def moe_gate_up_silu_fp8(x: torch.Tensor, gate: Fp8Experts, up: Fp8Experts, expert_ids: torch.Tensor,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """layers.moe.moe_gate_up_silu with FP8 experts: out [T, k, I] = silu(x @ gate_e^T) * (x @ up_e^T),
-    e = expert_ids[t, j], on the weights dequantized to x's dtype (dequantize_experts), each
-    product rounded to it. Reads only the chosen experts' stored bytes."""
-    if out is None:
-        out = x.new_empty((x.shape[0], expert_ids.shape[1], gate.weight.shape[1]))
-    _ops.moe_gate_up_silu_fp8(out, x, gate.weight, gate.scales, up.weight, up.scales, expert_ids, *gate.block)
-    return out
-
-
-def moe_down_sum_fp8(act: torch.Tensor, down: Fp8Experts, expert_ids: torch.Tensor, weights: torch.Tensor,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """layers.moe.moe_down_sum with FP8 experts: out [T, D] = sum_j (act[t, j] @ down_e^T) *
-    weights[t, j], on the weights dequantized to act's dtype, HF's rounding."""
-    if out is None:
-        out = act.new_empty((act.shape[0], down.weight.shape[1]))
-    _ops.moe_down_sum_fp8(out, act, down.weight, down.scales, expert_ids, weights, *down.block)
-    return out
-
-
-def moe_gate_up_silu_int4(x: torch.Tensor, gate: Int4Experts, up: Int4Experts, expert_ids: torch.Tensor,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """moe_gate_up_silu_fp8 with int4 experts (no desc_act column order): the weights dequantized
-    as dequantize_experts does, read as stored."""
-    if out is None:
-        out = x.new_empty((x.shape[0], expert_ids.shape[1], gate.packed.shape[1]))
-    _ops.moe_gate_up_silu_int4(out, x, gate.packed, gate.scales, gate.zeros, up.packed, up.scales, up.zeros,
-                               expert_ids, gate.group_size)
-    return out
-
-
-def moe_down_sum_int4(act: torch.Tensor, down: Int4Experts, expert_ids: torch.Tensor, weights: torch.Tensor,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """moe_down_sum_fp8 with int4 experts (no desc_act column order)."""
-    if out is None:
-        out = act.new_empty((act.shape[0], down.packed.shape[1]))
-    _ops.moe_down_sum_int4(out, act, down.packed, down.scales, down.zeros, expert_ids, weights, down.group_size)
-    return out
-
-
-@torch.library.register_fake("pagedkv::moe_gate_up_silu_fp8")
-def _moe_gate_up_silu_fp8_fake(out, x, gate, gate_scales, up, up_scales, expert_ids, block_n, block_k) -> None:
-    torch._check(out.shape == (x.shape[0], expert_ids.shape[1], gate.shape[1]))
-
-
-@torch.library.register_fake("pagedkv::moe_down_sum_fp8")
-def _moe_down_sum_fp8_fake(out, act, down, down_scales, expert_ids, weights, block_n, block_k) -> None:
-    torch._check(out.shape == (act.shape[0], down.shape[1]))
-
-
-@torch.library.register_fake("pagedkv::moe_gate_up_silu_int4")
-def _moe_gate_up_silu_int4_fake(out, x, gate, gate_scales, gate_zeros, up, up_scales, up_zeros, expert_ids,
-                                group_size) -> None:
-    torch._check(out.shape == (x.shape[0], expert_ids.shape[1], gate.shape[1]))
-
-
-@torch.library.register_fake("pagedkv::moe_down_sum_int4")
-def _moe_down_sum_int4_fake(out, act, down, down_scales, down_zeros, expert_ids, weights, group_size) -> None:
-    torch._check(out.shape == (act.shape[0], down.shape[1]))
