@@ -48,6 +48,17 @@ inline void check_sinks(const std::optional<at::Tensor>& sinks, const at::Tensor
   check_same_device(*sinks, q, "sinks", "q");
 }
 
+// paged_decode_attention's row_order: a contiguous int32 [batch] tensor on q's device (the CPU also
+// checks it is a permutation of the rows; CUDA trusts it, as it trusts block tables' contents).
+inline void check_row_order(const std::optional<at::Tensor>& row_order, const at::Tensor& q) {
+  if (!row_order.has_value()) return;
+  TORCH_CHECK(row_order->scalar_type() == at::kInt && row_order->dim() == 1 && row_order->size(0) == q.size(0) &&
+                  row_order->is_contiguous(),
+              "pagedkv: row_order must be an int32 [batch] tensor, contiguous, got dtype ",
+              row_order->scalar_type(), " and shape ", row_order->sizes());
+  check_same_device(*row_order, q, "row_order", "q");
+}
+
 // The options both ops share: a sliding window of keys and a logit softcap, 0 = off.
 inline void check_attention_options(int64_t sliding_window, double logit_softcap) {
   TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "pagedkv: sliding_window is ",

@@ -10,11 +10,13 @@
 
 namespace pagedkv {
 
-// [n, k] float32 = weight * scales broadcast over their blocks, on the tensors' device.
+// [..., n, k] float32 = weight * scales broadcast over their blocks (scales [..., ceil(n / block_n),
+// ceil(k / block_k)]), on the tensors' device: a linear's weight, or a stack of experts'.
 at::Tensor dequantize_fp8(const at::Tensor& weight, const at::Tensor& scales, int64_t block_n, int64_t block_k) {
-  const int64_t n = weight.size(0);
-  const int64_t k = weight.size(1);
-  const at::Tensor s = scales.repeat_interleave(block_n, 0).slice(0, 0, n).repeat_interleave(block_k, 1).slice(1, 0, k);
+  const int64_t n = weight.size(-2);
+  const int64_t k = weight.size(-1);
+  const at::Tensor s =
+      scales.repeat_interleave(block_n, -2).slice(-2, 0, n).repeat_interleave(block_k, -1).slice(-1, 0, k);
   return weight.to(at::kFloat) * s;
 }
 

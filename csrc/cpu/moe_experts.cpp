@@ -14,6 +14,8 @@
 namespace pagedkv {
 
 void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& x);  // cpu/silu_and_mul.cpp
+at::Tensor dequantize_fp8(const at::Tensor& weight, const at::Tensor& scales, int64_t block_n,
+                          int64_t block_k);  // cpu/linear_fp8.cpp
 
 namespace {
 
@@ -43,14 +45,11 @@ std::pair<at::Tensor, at::Tensor> distinct_experts(const at::Tensor& expert_ids,
   return {at::tensor(distinct, options), at::tensor(local, options).view(expert_ids.sizes())};
 }
 
-// Experts `experts` [U] of an FP8 projection weight [E, n, k] dequantized: [U, n, k] in dtype.
+// Experts `experts` [U] of an FP8 projection weight [E, n, k] dequantized: [U, n, k] in dtype, each
+// value's fp32 product rounded once.
 at::Tensor dequantize_fp8_experts(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& experts,
                                   int64_t block_n, int64_t block_k, at::ScalarType dtype) {
-  const int64_t n = weight.size(1), k = weight.size(2);
-  const at::Tensor q = weight.index_select(0, experts).to(dtype);  // e4m3 values are exact in every float dtype
-  const at::Tensor s = scales.index_select(0, experts).repeat_interleave(block_n, 1).slice(1, 0, n)
-                           .repeat_interleave(block_k, 2).slice(2, 0, k);  // [U, n, k] fp32
-  return at::mul(q, s).to(dtype);  // computed in fp32, rounded once
+  return dequantize_fp8(weight.index_select(0, experts), scales.index_select(0, experts), block_n, block_k).to(dtype);
 }
 
 // Experts `experts` [U] of an int4 projection (packed [E, n, k / 2], scales and zeros [E, n, k / g])

@@ -113,13 +113,10 @@ void paged_decode_attention_cpu(at::Tensor& out, const at::Tensor& q, const at::
                           num_splits);
   // row_order orders CUDA's launch only; here it is checked (a permutation of the rows), as the
   // CPU checks block tables' contents, and computes nothing different.
+  check_row_order(row_order, q);
   if (row_order) {
-    TORCH_CHECK(row_order->scalar_type() == at::kInt && row_order->dim() == 1 &&
-                    row_order->size(0) == q.size(0),
-                "pagedkv: row_order must be an int32 [batch] tensor, got ", row_order->sizes());
     std::vector<bool> seen(q.size(0), false);
-    const at::Tensor order = row_order->contiguous();
-    const int* rows = order.const_data_ptr<int>();
+    const int* rows = row_order->const_data_ptr<int>();
     for (int64_t i = 0; i < q.size(0); ++i) {
       TORCH_CHECK(rows[i] >= 0 && rows[i] < q.size(0) && !seen[rows[i]],
                   "pagedkv: row_order must be a permutation of range(", q.size(0), "); entry ", i,

@@ -34,12 +34,7 @@ void paged_decode_attention_cuda(at::Tensor& out, const at::Tensor& q, const at:
                                  const std::optional<at::Tensor>& row_order) {
   check_paged_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, workspace,
                           num_splits);
-  if (row_order) {  // EXPERIMENT: a permutation is not checked
-    TORCH_CHECK(row_order->scalar_type() == at::kInt && row_order->dim() == 1 &&
-                    row_order->size(0) == q.size(0) && row_order->is_contiguous() &&
-                    row_order->device() == q.device(),
-                "pagedkv: row_order must be a contiguous int32 [batch] tensor on q's device");
-  }
+  check_row_order(row_order, q);
   check_kv_scales(k_cache, q, k_scale, v_scale);
   check_sinks(sinks, q);
   check_attention_options(sliding_window, logit_softcap);

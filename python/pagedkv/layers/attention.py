@@ -41,7 +41,7 @@ class ForwardMetadata:
     # None: its position + 1 (a decode token of a sequence run alone)
     rope_lens: torch.Tensor | None = None
     # [B] int32 (decode steps of several waves of CTAs on CUDA): rows by descending context, set
-    # by attention_workspace once a forward (EXPERIMENT: longest rows' CTAs launched first)
+    # by attention_workspace once a forward, so the longest rows' CTAs launch first
     row_order: torch.Tensor | None = None
 
 
