@@ -6,7 +6,7 @@ chosen experts dequantized into temporaries: the path before the kernels), paged
 eager bf16; ms per decode step and each row's roofline.
 
     python benchmarks/bench_moe_quantized.py [--formats fp8,int4] [--batches 1,8] [--layers 16]
-        [--new 32] [--out DIR] [--no-hf] [--small]
+        [--new 32] [--out DIR] [--no-hf] [--kernels-only] [--small]
 
 Checkpoints are written from the bf16 model's random weights in each format's exact on-disk
 tensors (benchmarks/quantized_w1.py: attention and experts quantized; routers, norms, embedding
@@ -16,6 +16,7 @@ the K/V over the mean context, and the distinct experts the batch's tokens choos
 bytes, expected under uniform routing, E (1 - (1 - k / E)^B) (8 at batch 1, ~52 at batch 8; the
 random router is near uniform). --layers L of the 48 keeps memory for the bf16 model and a
 checkpoint side by side (48 layers of bf16 experts are 61 GB). Per-step time as bench_generate's.
+--kernels-only: leave out the rows with the kernels off (A/B runs of the kernels).
 --small: a 2-layer model with 16 experts on the CPU (the smoke test; its numbers mean nothing).
 """
 
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=16, help="decoder layers of the 48 (memory: see above)")
     parser.add_argument("--new", type=int, default=32, help="new tokens a timed generate makes")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--kernels-only", action="store_true", help="no rows with the expert kernels off")
     parser.add_argument("--tmp", default=None, help="where the checkpoints are written (default: the temp dir)")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             size = write_checkpoint(model, folder, FORMATS[key])
             print(f"{FORMATS[key].label}: wrote {size / 1e9:.2f} GB", flush=True)
-            for kernels in (True, False):
+            for kernels in (True,) if args.kernels_only else (True, False):
                 system = f"pagedkv {key}" + ("" if kernels else ", experts dequantized each step")
                 # Loaded again with the kernels off: graphs captured before would keep their path.
                 with mock.patch.object(moe, "quantized_kernels_take", moe.quantized_kernels_take if kernels

@@ -5,13 +5,19 @@ at batch B after a prompt of P tokens, from torch.profiler over (1 + N) - 1 new 
 fewer than the real count (the per-layer cost is what matters; the LM head's share grows).
 
     python lab/step_profile.py [--model moe|gemma2|w1] [--layers 8] [--batch 1] [--prompt 128] [--new 32]
+        [--format fp8|int4]
+
+--format: the model written as that format's checkpoint (benchmarks/quantized_w1.py: attention and,
+for the MoE, experts quantized) and loaded back with pagedkv.from_pretrained_quantized.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_architectures import GEMMA2_9B, QWEN3_30B_A3B, build  # noqa: E402
 from bench_generate import W1, per_step_ms  # noqa: E402
+from quantized_w1 import FORMATS, write_checkpoint  # noqa: E402
 from transformers import Gemma2Config, Qwen2Config, Qwen3MoeConfig  # noqa: E402
 
 import pagedkv  # noqa: E402
@@ -48,10 +55,20 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--format", choices=("fp8", "int4"), default=None)
     args = parser.parse_args()
     config_cls, shape = {"moe": (Qwen3MoeConfig, QWEN3_30B_A3B), "gemma2": (Gemma2Config, GEMMA2_9B),
                           "w1": (Qwen2Config, W1)}[args.model]
     model = build(config_cls, shape, args.layers, "cuda", torch.bfloat16)
+    if args.format:
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="step_profile_"))
+        try:
+            write_checkpoint(model, folder, FORMATS[args.format])
+            del model
+            torch.cuda.empty_cache()
+            model = pagedkv.from_pretrained_quantized(folder, dtype=torch.bfloat16, device="cuda")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
     run = lambda n: pagedkv.generate(model, ids, max_new_tokens=n, do_sample=False)  # noqa: E731
     run(1 + args.new)

@@ -32,6 +32,14 @@ def test_small_run_has_a_row_per_format_and_path(tmp_path):
     assert (tmp_path / "bench_moe_quantized.png").stat().st_size > 0
 
 
+def test_kernels_only_leaves_out_the_dequantizing_rows(tmp_path):
+    bench_moe_quantized.main(["--small", "--batches", "1", "--new", "2", "--formats", "int4", "--kernels-only",
+                              "--out", str(tmp_path)])
+    text = (tmp_path / "bench_moe_quantized.md").read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 1 |")]
+    assert [r[1] for r in rows] == ["pagedkv bf16", "pagedkv int4"]
+
+
 @pytest.mark.parametrize("key", ["fp8", "int4"])
 def test_checkpoint_holds_every_expert_quantized(tmp_path, key):
     model = bench_moe_quantized.build_model(True, 2, "cpu")
