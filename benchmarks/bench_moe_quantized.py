@@ -15,7 +15,12 @@ copy bandwidth measured in the run: every weight outside the experts, the batch'
 the K/V over the mean context, and the distinct experts the batch's tokens choose at their stored
 bytes, expected under uniform routing, E (1 - (1 - k / E)^B) (8 at batch 1, ~52 at batch 8; the
 random router is near uniform). --layers L of the 48 keeps memory for the bf16 model and a
-checkpoint side by side (48 layers of bf16 experts are 61 GB). Per-step time as bench_generate's.
+checkpoint side by side (48 layers of bf16 experts are 61 GB). Per-step time: bench_generate's
+difference of a (1 + new)-token and a 1-token generate, taken PAIRS times back to back, the median
+shown with the pairs' range: a batch-8 prefill (1,024 tokens, every expert chosen) runs the
+dequantizing grouped path, whose allocations make its time heavy-tailed (session 38's H100 run: a
+single min-of-3 difference came out at -0.38 and -3.64 ms). A row whose median is not positive
+prints "unstable" and its pairs, never a negative time.
 --kernels-only: leave out the rows with the kernels off (A/B runs of the kernels).
 --small: a 2-layer model with 16 experts on the CPU (the smoke test; its numbers mean nothing).
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import shutil
+import statistics
 import sys
 import tempfile
 from unittest import mock
@@ -34,7 +40,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_architectures import QWEN3_30B_A3B  # noqa: E402
-from bench_generate import per_step_ms  # noqa: E402
+from bench_generate import seconds  # noqa: E402
 from quantized_w1 import FORMATS, write_checkpoint  # noqa: E402
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 from timing import copy_bandwidth_gbs  # noqa: E402
@@ -45,6 +51,7 @@ from pagedkv.models.registry import PREPARED_ATTR  # noqa: E402
 from pagedkv.runtime.model import weight_bytes  # noqa: E402
 
 PROMPT = 128
+PAIRS = 5
 SMALL = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
              norm_topk_prob=True, vocab_size=512, tie_word_embeddings=False, max_position_embeddings=1024)
@@ -83,6 +90,17 @@ def step_bytes(model, batch: int, new: int) -> float:
     return total + batch * (embed_row + kv)
 
 
+def decode_ms(generate, ids, device: str, new: int, pairs: int = PAIRS) -> list[float]:
+    """ms per decode step from `pairs` back-to-back (1 + new, 1)-token generates: one value a pair."""
+    generate(ids, 1 + new)  # warm-up (graphs, allocator)
+    out = []
+    for _ in range(pairs):
+        t_long = seconds(lambda: generate(ids, 1 + new), device, repeats=1)
+        t_short = seconds(lambda: generate(ids, 1), device, repeats=1)
+        out.append(1e3 * (t_long - t_short) / new)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
@@ -107,15 +125,23 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(small, args.layers, device)
     prompts = {b: torch.randint(3, model.config.vocab_size, (b, PROMPT), device=device,
                                 generator=torch.Generator(device).manual_seed(b)) for b in batches}
-    ms, roof, notes = {}, {}, []  # (system, batch) -> ms / roofline ms
+    ms, roof, spread, notes = {}, {}, {}, []  # (system, batch) -> ms / roofline ms / (min, max) ms
 
     def timed(system: str, m, generate=None) -> None:
         generate = generate or (lambda ids, n: pagedkv.generate(m, ids, max_new_tokens=n, do_sample=False))
         for b in batches:
-            ms[system, b] = per_step_ms(generate, prompts[b], device, args.new)
+            each = decode_ms(generate, prompts[b], device, args.new)
+            spread[system, b] = (min(each), max(each))
+            median = statistics.median(each)
+            if median > 0:
+                ms[system, b] = median
+            else:
+                notes.append(f"{system}, batch {b}: unstable, ms / step of each pair "
+                             f"{', '.join(f'{v:.2f}' for v in each)}")
             if m is not None:
                 roof[system, b] = 1e3 * step_bytes(m, b, args.new) / (copy_gbs * 1e9)
-            print(f"{system}, batch {b}: {ms[system, b]:.3f} ms/step", flush=True)
+            print(f"{system}, batch {b}: median {median:.3f} ms/step of {len(each)} pairs "
+                  f"({min(each):.3f}-{max(each):.3f})", flush=True)
 
     if not (small or args.no_hf):
         timed("HF eager bf16", None, lambda ids, n: model.generate(ids, max_new_tokens=n, do_sample=False))
@@ -139,18 +165,21 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    header = ["batch", "system", "ms / step", "roofline ms", "ms / roofline", "vs pagedkv bf16", "vs HF eager bf16"]
+    header = ["batch", "system", "ms / step", f"range of {PAIRS} pairs", "roofline ms", "ms / roofline",
+              "vs pagedkv bf16", "vs HF eager bf16"]
     systems = ["HF eager bf16", "pagedkv bf16"] + [f"pagedkv {k}{s}" for k in formats
                                                     for s in ("", ", experts dequantized each step")]
     rows = []
     for b in batches:
         for s in systems:
-            if (s, b) not in ms:
+            if (s, b) not in spread:
                 continue
-            r = roof.get((s, b))
+            low, high = spread[s, b]
+            t, r = ms.get((s, b)), roof.get((s, b))
             bf16, hf = ms.get(("pagedkv bf16", b)), ms.get(("HF eager bf16", b))
-            rows.append([b, s, f"{ms[s, b]:.2f}", f"{r:.2f}" if r else "", f"{ms[s, b] / r:.2f}x" if r else "",
-                         f"{bf16 / ms[s, b]:.2f}x" if bf16 else "", f"{hf / ms[s, b]:.1f}x" if hf else ""])
+            rows.append([b, s, f"{t:.2f}" if t else "unstable", f"{low:.2f} to {high:.2f}", f"{r:.2f}" if r else "",
+                         f"{t / r:.2f}x" if r and t else "", f"{bf16 / t:.2f}x" if bf16 and t else "",
+                         f"{hf / t:.1f}x" if hf and t else ""])
     layers = model.config.num_hidden_layers
     shape = "tiny Qwen3-MoE (smoke, CPU)" if small else f"Qwen3-30B-A3B shape, {layers} of 48 layers"
     title = (f"{shape}, quantized checkpoints (attention and experts), prompt {PROMPT}, {args.new} new tokens, "

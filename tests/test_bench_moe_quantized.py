@@ -27,8 +27,11 @@ def test_small_run_has_a_row_per_format_and_path(tmp_path):
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 1 |")]
     assert [r[1] for r in rows] == ["pagedkv bf16", "pagedkv fp8", "pagedkv fp8, experts dequantized each step",
                                     "pagedkv int4", "pagedkv int4, experts dequantized each step"]
-    for row in rows:  # ms / step is a difference of two timings: noise on a busy CPU may make it < 0
-        assert torch.isfinite(torch.tensor(float(row[2]))) and float(row[3]) > 0
+    for row in rows:  # ms / step is a median of differences of two timings: "unstable" where not > 0
+        assert row[2] == "unstable" or float(row[2]) > 0
+        low, high = (float(v) for v in row[3].split(" to "))
+        assert low <= high
+        assert float(row[4]) > 0  # the roofline
     assert (tmp_path / "bench_moe_quantized.png").stat().st_size > 0
 
 
