@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_architectures import QWEN3_30B_A3B  # noqa: E402
-from bench_generate import seconds  # noqa: E402
+from bench_generate import step_ms_pairs  # noqa: E402
 from quantized_w1 import FORMATS, write_checkpoint  # noqa: E402
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 from timing import copy_bandwidth_gbs  # noqa: E402
@@ -90,17 +90,6 @@ def step_bytes(model, batch: int, new: int) -> float:
     return total + batch * (embed_row + kv)
 
 
-def decode_ms(generate, ids, device: str, new: int, pairs: int = PAIRS) -> list[float]:
-    """ms per decode step from `pairs` back-to-back (1 + new, 1)-token generates: one value a pair."""
-    generate(ids, 1 + new)  # warm-up (graphs, allocator)
-    out = []
-    for _ in range(pairs):
-        t_long = seconds(lambda: generate(ids, 1 + new), device, repeats=1)
-        t_short = seconds(lambda: generate(ids, 1), device, repeats=1)
-        out.append(1e3 * (t_long - t_short) / new)
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
@@ -130,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     def timed(system: str, m, generate=None) -> None:
         generate = generate or (lambda ids, n: pagedkv.generate(m, ids, max_new_tokens=n, do_sample=False))
         for b in batches:
-            each = decode_ms(generate, prompts[b], device, args.new)
+            each = step_ms_pairs(generate, prompts[b], device, args.new, PAIRS)
             spread[system, b] = (min(each), max(each))
             median = statistics.median(each)
             if median > 0:

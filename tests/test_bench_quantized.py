@@ -33,8 +33,8 @@ def test_small_run_has_a_row_per_format(tmp_path):
     text = (tmp_path / "bench_quantized.md").read_text()
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 1 |")]
     assert sorted(r[1] for r in rows) == ["pagedkv bf16", "pagedkv fp8", "pagedkv int4", "pagedkv nf4"]
-    for row in rows:  # ms / step (a difference of two timings: noise on a busy CPU may make it < 0)
-        assert torch.isfinite(torch.tensor(float(row[2]))) and float(row[4]) > 0 and row[5].endswith("%")
+    for row in rows:  # ms / step: positive, or nan where the timings' noise left no positive difference
+        assert (float(row[2]) > 0 or row[2] == "nan") and float(row[4]) > 0 and row[5].endswith("%")
     for key in ("fp8", "int4", "nf4"):  # the default --formats
         assert f"HF {key}: n/a: --small" in text
     assert (tmp_path / "bench_quantized.png").stat().st_size > 0
