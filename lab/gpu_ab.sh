@@ -33,23 +33,8 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do VARIANTS+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#VARIANTS[@]} -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
-patches_of() { tr '+' ' ' <<< "$1"; }
-unapply() {  # PATCH...: reversed, the last applied first
-  local i patches=("$@")
-  for (( i = ${#patches[@]} - 1; i >= 0; i-- )); do git apply -R "${patches[$i]}"; done
-}
-for v in "${VARIANTS[@]}"; do  # each variant must apply to the tree as a whole, before any runs
-  applied=()
-  for p in $(patches_of "$v"); do
-    if ! git apply --check "$p" || ! git apply "$p"; then
-      echo "gpu_ab.sh: $p does not apply (variant $v)" >&2
-      unapply "${applied[@]}"
-      exit 2
-    fi
-    applied+=("$p")
-  done
-  unapply "${applied[@]}"
-done
+source lab/ab_variants.sh
+check_variants gpu_ab.sh "${VARIANTS[@]}"
 
 SIDES=$(mktemp -d)
 status=0

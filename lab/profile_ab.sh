@@ -21,11 +21,9 @@ VARIANTS=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do VARIANTS+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#VARIANTS[@]} -gt 0 ] || { echo "$usage" >&2; exit 2; }
-for v in "${VARIANTS[@]}"; do  # every variant applies to the tree, before anything runs
-  for p in $(tr '+' ' ' <<< "$v"); do
-    git apply --check "$p" || { echo "profile_ab.sh: $p does not apply (variant $v)" >&2; exit 2; }
-  done
-done
+
+source lab/ab_variants.sh
+check_variants profile_ab.sh "${VARIANTS[@]}"
 
 REPORT="$RESULTS/profile_ab.md"
 SIDES=$(mktemp -d)
@@ -47,13 +45,13 @@ n=0
 for v in "${VARIANTS[@]}"; do
   n=$((n + 1))
   echo "== B$n: $v"
-  read -r -a patches <<< "$(tr '+' ' ' <<< "$v")"
+  read -r -a patches <<< "$(patches_of "$v")"
   for p in "${patches[@]}"; do git apply "$p"; done
   tests=(--no-tests); [ $# -gt 0 ] && tests=(--bench none --)  # no PYTEST_ARGS: no tests (not all)
   OUT=$SIDES/b$n scripts/gpu_check.sh "${tests[@]}" "$@" > /dev/null 2>&1 || status=1
   { echo; echo "# B$n = A + $v"; grep "cuda tests" "$SIDES/b$n/summary.md" || echo "(no test line)"; } >> "$REPORT"
   side "B$n profiles"
-  for (( i = ${#patches[@]} - 1; i >= 0; i-- )); do git apply -R "${patches[$i]}"; done
+  unapply "${patches[@]}"
 done
 OUT=$SIDES/rebuild scripts/gpu_check.sh --no-tests --bench none > /dev/null 2>&1 || status=1
 cat "$REPORT"
