@@ -106,6 +106,8 @@ inline void check_moe_gate_up_silu_int4_args(const at::Tensor& out, const at::Te
   const int64_t num_experts = gate.size(0), inter = gate.size(1);
   check_int4_experts(gate, gate_scales, gate_zeros, x, "x", "gate", num_experts, inter, x.size(1), group_size);
   check_int4_experts(up, up_scales, up_zeros, x, "x", "up", num_experts, inter, x.size(1), group_size);
+  TORCH_CHECK(gate_scales.scalar_type() == up_scales.scalar_type(), "pagedkv: the scales of gate (",
+              gate_scales.scalar_type(), ") and of up (", up_scales.scalar_type(), ") must have one dtype");
   check_moe_gate_up_out(out, x, expert_ids, inter);
 }
 

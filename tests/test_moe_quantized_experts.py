@@ -88,6 +88,22 @@ def test_equal_dense_ops_on_the_dequantized_experts(device, dtype, num_tokens, t
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["fp8-32x16", "int4-g32-bfloat16", "int4-g16-float32"])
+@pytest.mark.parametrize("inter", [1, 15, 17, 33])
+def test_gate_up_of_odd_widths_on_cuda(fmt, inter):
+    """Odd expert widths: the CUDA gate/up computes two rows a warp for these formats, and the last
+    warp's second row falls past the end (read again as the last row, never stored)."""
+    gen = torch.Generator().manual_seed(inter)
+    gate, up = experts(fmt, inter, 64, gen, "cuda"), experts(fmt, inter, 64, gen, "cuda")
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device="cuda")
+    ids = random_ids(3, NUM_EXPERTS, 2, "cuda")
+    dense_gate_up = torch.cat([dequantize_all(gate, x.dtype), dequantize_all(up, x.dtype)], dim=1)
+    act = torch.full((3, 2, inter), float("nan"), dtype=x.dtype, device="cuda")
+    moe_gate_up_silu_quantized(x, gate, up, ids, out=act)
+    assert torch.equal(act, moe.moe_gate_up_silu(x, dense_gate_up, ids))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["fp8-128x128", "int4-g32-float16"])
 def test_ids_outside_the_experts_give_zeros_on_cuda(fmt):
     """As the dense ops on CUDA (no host read of the ids): the pair's activations are zero, its
@@ -171,6 +187,8 @@ def test_bad_arguments_are_named():
         op(act, x, gate.packed, gate.scales, gate.zeros, up.packed, up.scales, up.zeros[..., :2], ids, 16)
     with pytest.raises(RuntimeError, match="the scales of gate have dtype Int; allowed: torch.float32"):
         op(act, x, gate.packed, gate.scales.int(), gate.zeros, up.packed, up.scales, up.zeros, ids, 16)
+    with pytest.raises(RuntimeError, match=r"the scales of gate \(Half\) and of up \(Float\) must have one dtype"):
+        op(act, x, gate.packed, gate.scales, gate.zeros, up.packed, up.scales.float(), up.zeros, ids, 16)
     with pytest.raises(RuntimeError, match=r"down \(packed\) must have shape \[num_experts, 64, 16\]"):
         torch.ops.pagedkv.moe_down_sum_int4(torch.empty(3, 64), act, down.packed[..., :8], down.scales, down.zeros,
                                             ids, torch.rand(3, 2), 16)

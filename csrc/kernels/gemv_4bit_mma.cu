@@ -7,12 +7,7 @@
 // one FMA per row of x, and the SMs run out of issue slots at ~40% of the memory bandwidth at
 // batch 1 and far below at batch 8. Here the tensor cores do every multiply-add whatever the rows,
 // and int4 pairs dequantize with no conversion at all, two values a register in three
-// instructions:
-//   lop3(word >> 4s, 0x000F000F, magic) = (M + q_lo, M + q_hi)   M = 128 (bf16) or 1024 (fp16):
-//                                        the float with M's exponent and q in the low mantissa bits
-//   sub (M + z, M + z)                  = (q_lo - z, q_hi - z)    exact: small integers
-//   mul (s, s)                          = the dequantized pair    rounded once to T, as
-//                                                                 PyTorch's (q - z) * s in T is
+// instructions (half_pairs.cuh's int4_pair).
 // NF4 pairs are two codebook loads from shared memory times the absmax in fp32, rounded once to T.
 //
 // Fragment order (as gemv_mma.cu: a dot product's k order is free, so any bijection of k onto the
@@ -31,59 +26,13 @@
 #include "kernels/dependent_launch.cuh"
 #include "kernels/gemv_4bit_mma.h"
 #include "kernels/gemv_split_k.cuh"
+#include "kernels/half_pairs.cuh"
 #include "kernels/mma.cuh"
 
 namespace pagedkv::kernels {
 namespace {
 
 constexpr int kStepK = 128;  // k per step: 4 lanes (t) x 32 int4 values
-
-template <typename T>
-struct Magic;  // the 16-bit float M whose mantissa's low bits take an int4 value exactly
-template <>
-struct Magic<__nv_bfloat16> {
-  static constexpr uint32_t kBits = 0x4300;  // 128: ulp 1 on [128, 256)
-  static constexpr float kValue = 128.f;
-};
-template <>
-struct Magic<__half> {
-  static constexpr uint32_t kBits = 0x6400;  // 1024: ulp 1 on [1024, 2048)
-  static constexpr float kValue = 1024.f;
-};
-
-__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
-  uint32_t d;  // (a & mask) | bits in one instruction
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
-  return d;
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b) {
-  using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
-  T2 r = __hsub2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
-  using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
-  T2 r = __hmul2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
-  using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
-  T2 r = __hfma2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b),
-                 *reinterpret_cast<const T2*>(&c));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t broadcast2(T v) {
-  const uint32_t bits = *reinterpret_cast<const uint16_t*>(&v);
-  return bits | (bits << 16);
-}
 
 // Int4 with a zero point and a scale per group: pair s (0..3) of a word = nibbles s and s + 4,
 // i.e. k (8j + s, 8j + s + 4); x's matching pair takes one byte permute.
@@ -96,8 +45,7 @@ struct Int4Format {
   struct Piece {  // one row's group constants, as 16-bit pairs
     uint32_t zero2, scale2;
     __device__ __forceinline__ uint32_t pair(uint32_t word, int s) const {
-      const uint32_t magic2 = Magic<T>::kBits | (Magic<T>::kBits << 16);
-      return mul2<T>(sub2<T>(lop3_and_or(word >> (4 * s), 0x000F000Fu, magic2), zero2), scale2);
+      return int4_pair<T>(word, s, zero2, scale2);
     }
   };
   __device__ __forceinline__ Piece piece(int row, int groups, int p) const {
