@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.moe_quantized import (QuantizedExperts, dequantize_all, dequantize_experts, gathered_experts,
-                                          num_experts)
+from pagedkv.layers.moe_quantized import QuantizedExperts, dequantize_all, gathered_experts, num_experts
 from pagedkv.layers.moe_quantized_ops import moe_down_sum_quantized, moe_gate_up_silu_quantized, quantized_kernels_take
 
 _ops = torch.ops.pagedkv
@@ -104,14 +103,17 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) 
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     quantized = not isinstance(w.down, torch.Tensor)  # a quantized checkpoint's (layers/moe_quantized.py)
     if pairs >= GROUPED_MIN_PAIRS and not capturing:
-        out = _grouped_experts(x, w, ids, weights)
+        # A quantized prefill dequantizes every expert once (device ops, a temporary of the layer's
+        # size) and groups as dense experts do: one expert at a time was ~2,000 small launches a
+        # step behind a host sync per layer, hundreds of ms that swung with the host's load.
+        out = _grouped_experts(x, dequantized(w, x.dtype) if quantized else w, ids, weights)
     elif quantized and quantized_kernels_take(x, *w.gate_up, w.down):  # the stored bytes read once
         out = moe_down_sum_quantized(moe_gate_up_silu_quantized(x, *w.gate_up, ids), w.down, ids, weights)
     elif quantized and pairs > num_experts(w.down):
         # More pairs than experts (captured, or under GROUPED_MIN_PAIRS): every expert dequantized
         # once (a temporary of the layer's size, however many rows the step has), then the kernels.
-        gate_up = torch.cat([dequantize_all(e, x.dtype) for e in w.gate_up], dim=1)  # [E, 2I, D]
-        out = moe_down_sum(moe_gate_up_silu(x, gate_up, ids), dequantize_all(w.down, x.dtype), ids, weights)
+        dense = dequantized(w, x.dtype)
+        out = moe_down_sum(moe_gate_up_silu(x, dense.gate_up, ids), dense.down, ids, weights)
     elif quantized:  # only the pairs' experts
         out = _weighted_sum(gathered_experts(x, *w.gate_up, w.down, ids), weights, x.dtype)
     else:
@@ -119,6 +121,13 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) 
     if shared is not None:
         out = out + torch.sigmoid(ops.linear(x, w.shared_gate)) * shared
     return out
+
+
+def dequantized(w: MoEWeights, dtype: torch.dtype) -> MoEWeights:
+    """w with every expert of a quantized checkpoint dequantized to dtype (device ops): gate_up
+    [E, 2 I, D], down [E, D, I], as dense experts are held."""
+    gate_up = torch.cat([dequantize_all(e, dtype) for e in w.gate_up], dim=1)  # [E, 2 I, D]
+    return dataclasses.replace(w, gate_up=gate_up, down=dequantize_all(w.down, dtype))
 
 
 def grouped_mm_runs(x: torch.Tensor, w: MoEWeights) -> bool:
@@ -140,8 +149,8 @@ def _grouped_experts(x: torch.Tensor, w: MoEWeights, ids: torch.Tensor, weights:
     """HF's grouped_mm experts forward: the (token, expert) pairs sorted by expert, each projection
     of every hit expert one grouped GEMM, HF's activation rounding between them, the weighted
     outputs summed per token in fp32 and rounded. Device ops only where grouped_mm runs;
-    otherwise one GEMM per hit expert (a quantized expert dequantized for it), the counts read
-    back to the host (not capturable)."""
+    otherwise one GEMM per hit expert, the counts read back to the host (not capturable). Dense
+    experts only (moe_mlp dequantizes a quantized checkpoint's first)."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T * k] pairs by expert
@@ -159,22 +168,12 @@ def _grouped_experts(x: torch.Tensor, w: MoEWeights, ids: torch.Tensor, weights:
         for e, count in enumerate(count_of):
             if count:
                 rows = slice(start, start + count)
-                gate_up, down = _expert_weights(w, e, x.dtype)
-                act = ops.gate_up_silu(x_sorted[rows], gate_up)  # [count, I]
-                ops.linear(act, down, out=y_sorted[rows])
+                act = ops.gate_up_silu(x_sorted[rows], w.gate_up[e])  # [count, I]
+                ops.linear(act, w.down[e], out=y_sorted[rows])
                 start += count
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
     return _weighted_sum(y, weights, x.dtype)
-
-
-def _expert_weights(w: MoEWeights, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert e's gate_up [2 I, D] and down [D, I]; a quantized checkpoint's dequantized to dtype."""
-    if isinstance(w.down, torch.Tensor):
-        return w.gate_up[e], w.down[e]
-    one = torch.tensor([e], device=w.router.device)
-    gate_up = torch.cat([dequantize_experts(part, one, dtype)[0] for part in w.gate_up])
-    return gate_up, dequantize_experts(w.down, one, dtype)[0]
 
 
 def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

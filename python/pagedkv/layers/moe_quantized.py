@@ -14,8 +14,8 @@ dequantizing what a step needs into temporaries in the activations' dtype, with 
 (capturable) except where noted: a step of at most as many (token, expert) pairs as experts
 (decode) gathers its pairs' experts (gathered_experts); a step of more pairs that does not group
 (captured, or fewer than GROUPED_MIN_PAIRS) dequantizes every expert once (dequantize_all) and
-runs the dense experts' kernels; an eager step of many pairs (prefill) takes each hit expert once
-(its counts read back), as the dense experts' per-expert GEMMs do (layers/moe.py).
+runs the dense experts' kernels; an eager step of many pairs (prefill) dequantizes every expert
+once too and groups by expert as dense experts do (layers/moe.py).
 """
 
 from __future__ import annotations
