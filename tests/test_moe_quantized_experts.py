@@ -233,3 +233,33 @@ def test_kernels_take_only_what_they_can_read():
     assert not quantized_kernels_take(x, with_order, int4[1], int4[2])  # GPTQ desc_act
     coarse = layer(64, 32, "int4-g32-float16", "cpu")
     assert not quantized_kernels_take(x, coarse[0], int4[1], int4[2])  # gate and up groups differ
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["fp8-32x16", "int4-g16-bfloat16"])
+@pytest.mark.parametrize("experts_at_once", [NUM_EXPERTS, 3, 1])
+@pytest.mark.parametrize("grouped_gemm", [True, False])
+def test_prefill_dequantizes_experts_in_chunks(monkeypatch, device, dtype, fmt, experts_at_once, grouped_gemm):
+    """A step that groups by expert (a prefill) dequantizes its experts as many at a time as
+    PREFILL_DEQUANTIZED_BYTES holds (all, 3, 1 here: chunks of hit and of unhit experts, a short
+    last chunk), with torch's grouped GEMM or one GEMM per expert: the dense experts' result."""
+    gate, up, down = layer(64, 32, fmt, device)
+    gen = torch.Generator().manual_seed(11)
+    router = torch.randn(NUM_EXPERTS, 64, generator=gen).to(device, dtype)
+    w = moe.MoEWeights(router=router, gate_up=(gate, up), down=down, top_k=2, normalize=True, fp32_weights=False,
+                       shared_gate=None)
+    dense = moe.dequantized(w, dtype)
+    per_expert = dense.gate_up[0].nbytes + dense.down[0].nbytes
+    monkeypatch.setattr(moe, "PREFILL_DEQUANTIZED_BYTES", experts_at_once * per_expert)
+    monkeypatch.setattr(moe, "GROUPED_MIN_PAIRS", 0)
+    if not grouped_gemm:
+        monkeypatch.setattr(moe, "grouped_mm_runs", lambda x, w: False)
+    x = torch.randn(37, 64, generator=gen).to(device, dtype)
+    x[:35] = x[0]  # 3 distinct tokens: at most 6 of the 8 experts hit
+    out = moe.moe_mlp(x, w)
+    expected = moe.moe_mlp(x, dense)
+    if grouped_gemm and experts_at_once < NUM_EXPERTS:  # fewer rows a grouped GEMM: another blocking
+        torch.testing.assert_close(out, expected)
+    else:
+        assert torch.equal(out, expected)

@@ -149,17 +149,20 @@ def test_dequantize_int4_experts_is_each_experts_own_dequantization(desc_act, sc
         assert torch.equal(dequantize_all(stacked, torch.float32, chunk), every)
 
 
-@pytest.mark.parametrize("path", ["pairs gathered", "each expert once", "expert ops off"])
+@pytest.mark.parametrize("path", ["pairs gathered", "each expert once", "experts in chunks", "expert ops off"])
 @pytest.mark.parametrize("case", list(FORMATS))
 def test_generate_matches_hf_on_the_dequantized_model(tmp_path, case, path, monkeypatch):
     """Decode steps gather their pairs (FP8 and int4 experts: the quantized expert ops; "expert ops
-    off": the dequantizing path they replace), or every step takes each hit expert once."""
+    off": the dequantizing path they replace), or every step takes each hit expert once ("experts
+    in chunks": a quantized prefill's dequantized temporary one expert large)."""
     form = FORMS.get(case.split("-")[0], Fp8Experts)
     if path == "expert ops off":
         if form is torch.Tensor:
             pytest.skip("dense experts")
         monkeypatch.setattr(moe, "quantized_kernels_take", lambda *args: False)
-    monkeypatch.setattr(moe, "GROUPED_MIN_PAIRS", 0 if path == "each expert once" else 10**9)
+    monkeypatch.setattr(moe, "GROUPED_MIN_PAIRS", 10**9 if path in ("pairs gathered", "expert ops off") else 0)
+    if path == "experts in chunks":
+        monkeypatch.setattr(moe, "PREFILL_DEQUANTIZED_BYTES", 1)
     reference = write_checkpoint(tmp_path, case)
     model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
     layers = model._pagedkv_model.weights.layers

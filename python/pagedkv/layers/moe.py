@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import ops
-from pagedkv.layers.moe_quantized import QuantizedExperts, dequantize_all, gathered_experts, num_experts
+from pagedkv.layers.moe_quantized import (Int4Experts, QuantizedExperts, dequantize_all, gathered_experts, num_experts,
+                                          stored_values)
 from pagedkv.layers.moe_quantized_ops import moe_down_sum_quantized, moe_gate_up_silu_quantized, quantized_kernels_take
 
 _ops = torch.ops.pagedkv
@@ -32,6 +33,9 @@ GROUPED_MIN_PAIRS = 256
 # Types whose router keeps the top-k weights in fp32 (HF's Mixtral never casts them back), so
 # each weighted expert output is fp32 before the sum.
 FP32_ROUTING_WEIGHTS = ("mixtral",)
+# A prefill step of a quantized checkpoint's experts dequantizes them into a temporary of at most
+# this many bytes at a time (bf16: all 128 of Qwen3-30B-A3B's, 1.2 GB; Mixtral-8x7B's 6 of 8).
+PREFILL_DEQUANTIZED_BYTES = 2 << 30
 # Up to this many tokens, route() runs pagedkv's linear (on CUDA the weight-streaming GEMV, the
 # router read once over many SMs) then the moe_topk op (one launch instead of torch's ~6); more
 # (prefill) keep torch's ops after the GEMM, HF's own kernels. moe_topk's limits: E and k.
@@ -103,10 +107,7 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) 
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     quantized = not isinstance(w.down, torch.Tensor)  # a quantized checkpoint's (layers/moe_quantized.py)
     if pairs >= GROUPED_MIN_PAIRS and not capturing:
-        # A quantized prefill dequantizes every expert once (device ops, a temporary of the layer's
-        # size) and groups as dense experts do: one expert at a time was ~2,000 small launches a
-        # step behind a host sync per layer, hundreds of ms that swung with the host's load.
-        out = _grouped_experts(x, dequantized(w, x.dtype) if quantized else w, ids, weights)
+        out = _grouped_experts(x, w, ids, weights)
     elif quantized and quantized_kernels_take(x, *w.gate_up, w.down):  # the stored bytes read once
         out = moe_down_sum_quantized(moe_gate_up_silu_quantized(x, *w.gate_up, ids), w.down, ids, weights)
     elif quantized and pairs > num_experts(w.down):
@@ -123,11 +124,11 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, shared: torch.Tensor | None = None) 
     return out
 
 
-def dequantized(w: MoEWeights, dtype: torch.dtype) -> MoEWeights:
-    """w with every expert of a quantized checkpoint dequantized to dtype (device ops): gate_up
-    [E, 2 I, D], down [E, D, I], as dense experts are held."""
-    gate_up = torch.cat([dequantize_all(e, dtype) for e in w.gate_up], dim=1)  # [E, 2 I, D]
-    return dataclasses.replace(w, gate_up=gate_up, down=dequantize_all(w.down, dtype))
+def dequantized(w: MoEWeights, dtype: torch.dtype, experts: range | None = None) -> MoEWeights:
+    """w with the experts of a quantized checkpoint (all, or those of `experts`) dequantized to
+    dtype (device ops): gate_up [E, 2 I, D], down [E, D, I], as dense experts are held."""
+    gate_up = torch.cat([dequantize_all(e, dtype, experts=experts) for e in w.gate_up], dim=1)  # [E, 2 I, D]
+    return dataclasses.replace(w, gate_up=gate_up, down=dequantize_all(w.down, dtype, experts=experts))
 
 
 def grouped_mm_runs(x: torch.Tensor, w: MoEWeights) -> bool:
@@ -148,32 +149,64 @@ def grouped_mm_runs(x: torch.Tensor, w: MoEWeights) -> bool:
 def _grouped_experts(x: torch.Tensor, w: MoEWeights, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """HF's grouped_mm experts forward: the (token, expert) pairs sorted by expert, each projection
     of every hit expert one grouped GEMM, HF's activation rounding between them, the weighted
-    outputs summed per token in fp32 and rounded. Device ops only where grouped_mm runs;
-    otherwise one GEMM per hit expert, the counts read back to the host (not capturable). Dense
-    experts only (moe_mlp dequantizes a quantized checkpoint's first)."""
+    outputs summed per token in fp32 and rounded. Device ops only where grouped_mm runs on dense
+    experts; otherwise the counts are read back to the host (not capturable)."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T * k] pairs by expert
     x_sorted = x[order // top_k]  # [T * k, D]
-    if grouped_mm_runs(x, w):
-        # ends[e]: one past expert e's last pair in the sorted order (grouped_mm's offs)
-        experts = torch.arange(w.gate_up.shape[0], device=x.device, dtype=flat.dtype)
-        ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # [E]
-        gate_up = F.grouped_mm(x_sorted, w.gate_up.transpose(-2, -1), offs=ends)  # [T * k, 2 I]
-        y_sorted = F.grouped_mm(ops.silu_and_mul(gate_up), w.down.transpose(-2, -1), offs=ends)  # [T * k, D]
+    if isinstance(w.down, torch.Tensor):
+        y_sorted = _sorted_expert_rows(x_sorted, w, flat[order], 0)
     else:
-        count_of = torch.bincount(flat, minlength=len(w.router)).tolist()
-        y_sorted = x.new_empty(order.numel(), x.shape[1])  # [T * k, D]
-        start = 0
-        for e, count in enumerate(count_of):
-            if count:
-                rows = slice(start, start + count)
-                act = ops.gate_up_silu(x_sorted[rows], w.gate_up[e])  # [count, I]
-                ops.linear(act, w.down[e], out=y_sorted[rows])
-                start += count
+        y_sorted = _sorted_quantized_expert_rows(x_sorted, w, flat[order])
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
     return _weighted_sum(y, weights, x.dtype)
+
+
+def _sorted_expert_rows(x_sorted: torch.Tensor, w: MoEWeights, sorted_ids: torch.Tensor, first: int) -> torch.Tensor:
+    """The expert outputs [P, D] of pairs sorted by expert (x_sorted [P, D], their experts
+    sorted_ids [P]), w's dense experts being experts first, first + 1, ... of the layer. One
+    grouped GEMM a projection where grouped_mm runs, else one GEMM per hit expert."""
+    count = w.gate_up.shape[0]
+    if grouped_mm_runs(x_sorted, w):
+        # ends[e]: one past expert first + e's last pair in the sorted order (grouped_mm's offs)
+        experts = torch.arange(first, first + count, device=x_sorted.device, dtype=sorted_ids.dtype)
+        ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # [E]
+        gate_up = F.grouped_mm(x_sorted, w.gate_up.transpose(-2, -1), offs=ends)  # [P, 2 I]
+        return F.grouped_mm(ops.silu_and_mul(gate_up), w.down.transpose(-2, -1), offs=ends)  # [P, D]
+    count_of = torch.bincount(sorted_ids - first, minlength=count).tolist()
+    y_sorted = x_sorted.new_empty(x_sorted.shape[0], w.down.shape[1])  # [P, D]
+    start = 0
+    for e, rows in enumerate(count_of):
+        if rows:
+            act = ops.gate_up_silu(x_sorted[start:start + rows], w.gate_up[e])  # [rows, I]
+            ops.linear(act, w.down[e], out=y_sorted[start:start + rows])
+            start += rows
+    return y_sorted
+
+
+def _sorted_quantized_expert_rows(x_sorted: torch.Tensor, w: MoEWeights, sorted_ids: torch.Tensor) -> torch.Tensor:
+    """_sorted_expert_rows for a quantized checkpoint's experts, dequantized (device ops) as many
+    at a time as PREFILL_DEQUANTIZED_BYTES holds: all of them in one temporary where they fit,
+    else a chunk of experts after another, their pairs' row ranges read back once. (One expert at
+    a time was ~2,000 small launches a step behind a host sync a layer: hundreds of ms, swinging
+    with the host's load.)"""
+    count = num_experts(w.down)
+    per_expert = sum(stored_values(e)[0].numel() * (2 if isinstance(e, Int4Experts) else 1)
+                     for e in (*w.gate_up, w.down)) * x_sorted.element_size()
+    chunk = max(1, PREFILL_DEQUANTIZED_BYTES // per_expert)
+    if chunk >= count:
+        return _sorted_expert_rows(x_sorted, dequantized(w, x_sorted.dtype), sorted_ids, 0)
+    ends = torch.bincount(sorted_ids, minlength=count).cumsum(0).tolist()  # the one read-back
+    y_sorted = x_sorted.new_empty(x_sorted.shape)  # [P, D]
+    for first in range(0, count, chunk):
+        last = min(first + chunk, count)
+        rows = slice(ends[first - 1] if first else 0, ends[last - 1])
+        if rows.start < rows.stop:
+            dense = dequantized(w, x_sorted.dtype, range(first, last))
+            y_sorted[rows] = _sorted_expert_rows(x_sorted[rows], dense, sorted_ids[rows], first)
+    return y_sorted
 
 
 def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,8 +14,9 @@ dequantizing what a step needs into temporaries in the activations' dtype, with 
 (capturable) except where noted: a step of at most as many (token, expert) pairs as experts
 (decode) gathers its pairs' experts (gathered_experts); a step of more pairs that does not group
 (captured, or fewer than GROUPED_MIN_PAIRS) dequantizes every expert once (dequantize_all) and
-runs the dense experts' kernels; an eager step of many pairs (prefill) dequantizes every expert
-once too and groups by expert as dense experts do (layers/moe.py).
+runs the dense experts' kernels; an eager step of many pairs (prefill) dequantizes its experts
+too, as many at a time as PREFILL_DEQUANTIZED_BYTES holds (every one of Qwen3-30B-A3B's at once),
+and groups by expert as dense experts do (layers/moe.py).
 """
 
 from __future__ import annotations
@@ -87,15 +88,16 @@ def dequantize_experts(w: QuantizedExperts, experts: torch.Tensor, dtype: torch.
     return torch.mul(q, scales, out=out)
 
 
-def dequantize_all(w: QuantizedExperts, dtype: torch.dtype, chunk: int = 16) -> torch.Tensor:
-    """Every expert's weight [E, R, C] in dtype, chunk experts at a time (so the fp32 temporary
-    stays chunk experts large)."""
-    count = num_experts(w)
-    ids = torch.arange(count, device=stored_values(w).device)
+def dequantize_all(w: QuantizedExperts, dtype: torch.dtype, chunk: int = 16,
+                   experts: range | None = None) -> torch.Tensor:
+    """Every expert's weight [E, R, C] in dtype (or those of `experts`, a range: [len, R, C]),
+    chunk experts at a time (so the fp32 temporary stays chunk experts large)."""
+    experts = range(num_experts(w)) if experts is None else experts
+    ids = torch.arange(experts.start, experts.stop, device=stored_values(w).device)
     first = dequantize_experts(w, ids[:chunk], dtype)
-    out = first.new_empty((count, *first.shape[1:]))
+    out = first.new_empty((len(ids), *first.shape[1:]))
     out[:chunk] = first
-    for start in range(chunk, count, chunk):
+    for start in range(chunk, len(ids), chunk):
         out[start:start + chunk] = dequantize_experts(w, ids[start:start + chunk], dtype)
     return out
 
