@@ -5,7 +5,7 @@ bitsandbytes), torchao int4 weight-only (group 128, tinygemm) + torch.compile (g
 pagedkv.tools.baselines.StaticCacheDecoder, its linears swapped for torchao's; LM head kept bf16
 like the checkpoints'), and pagedkv bf16; ms per step, % of each row's roofline, the issue's goals.
 
-    python benchmarks/bench_quantized.py [--formats fp8,int4,nf4] [--batches 1,8,32]
+    python benchmarks/bench_quantized.py [--formats fp8,int4,nf4] [--batches 1,8,32]  (also int8, int4-torchao)
         [--torchao-batches 1,8] [--layers 28] [--new 128] [--hf-new 16] [--out DIR] [--small] [--no-hf]
 
 Each checkpoint is written from the bf16 model's random weights in the format's exact on-disk

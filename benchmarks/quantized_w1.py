@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pagedkv.quant.formats import torchao_int4_config
-from pagedkv.tools.quant_writers import ct_config, to_bnb_nf4, to_compressed_tensors_int4, to_finegrained, to_torchao_int4
+from pagedkv.tools.quant_writers import (ct_config, to_bnb_int8, to_bnb_nf4, to_compressed_tensors_int4, to_finegrained,
+                                         to_torchao_int4)
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -46,6 +47,9 @@ FORMATS = {
                    "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16",
                    "bnb_4bit_quant_storage": "uint8"},
                   lambda w: to_bnb_nf4(w, 64, double_quant=True), {1: 2.0}),
+    "int8": Format("INT8 (bitsandbytes LLM.int8; pagedkv: weights only)",
+                   {"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": 6.0},
+                   to_bnb_int8, {}),  # no goal in issue 33
 }
 
 

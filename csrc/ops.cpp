@@ -128,4 +128,7 @@ TORCH_LIBRARY(pagedkv, m) {
   // per block of block_size input columns, q packed two a byte (bitsandbytes' nibble order).
   m.def("linear_nf4(Tensor! out, Tensor x, Tensor packed, Tensor absmax, Tensor code, "
         "int block_size) -> ()");
+  // Int8 weight linear (csrc/linear_int8_checks.h): out = x @ W^T, W [n, k] = q * scb[row] / 127
+  // (bitsandbytes' LLM.int8 weight; the activations are not quantized).
+  m.def("linear_int8(Tensor! out, Tensor x, Tensor q, Tensor scb) -> ()");
 }

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 import pagedkv
 from fp8_formats import finegrained_dequantize
 from int4_formats import compressed_tensors_int4_dequantize, torchao_tile_dequantize
+from int8_formats import bnb_int8_dequantize
 from nf4_formats import bnb_dequantize
 from test_engine import random_prompts
 
@@ -62,6 +63,8 @@ def dequantized(folder: pathlib.Path, key: str, shapes: dict[str, tuple[int, ...
         elif key == "int4-torchao":
             w = torchao_tile_dequantize(parts["_weight_qdata"], parts["_weight_scale_and_zero"],
                                         *shapes[f"{prefix}.weight"], group_size=128)
+        elif key == "int8":
+            w = bnb_int8_dequantize(parts)
         else:
             w = bnb_dequantize(parts)
         out[f"{prefix}.weight"] = w

@@ -1,7 +1,7 @@
 """pagedkv.from_pretrained_quantized beyond AWQ/GPTQ: FP8 (transformers' FineGrainedFP8 with
 block, UE8M0 and per-tensor scales; compressed-tensors float-quantized per channel, per tensor
-and per block), bitsandbytes NF4 (with and without double quantization) and compressed-tensors
-W4A16 (pack-quantized) checkpoints of tiny Llama-family models, written from random weights in
+and per block), bitsandbytes NF4 (with and without double quantization) and LLM.int8, and
+compressed-tensors W4A16 (pack-quantized) checkpoints of tiny Llama-family models, written from random weights in
 the exact on-disk layouts (pagedkv.tools.quant_writers, tests/fp8_formats.py, int4_formats.py). pagedkv's
 greedy tokens equal HF's generate on a plain HF model holding the DEQUANTIZED weights (each
 format's own formula); weight_bytes counts the packed bytes; transformers' own loading of an
@@ -22,10 +22,11 @@ import pagedkv
 from fp8_formats import compressed_tensors_dequantize, finegrained_dequantize, to_compressed_tensors
 from int4_formats import compressed_tensors_int4_dequantize
 from models import tiny_model
+from int8_formats import bnb_int8_dequantize
 from nf4_formats import bnb_dequantize
-from pagedkv.quant import Fp8Weight, Nf4Packed, W4A16Weight
+from pagedkv.quant import Fp8Weight, Int8Weight, Nf4Packed, W4A16Weight
 from pagedkv.runtime.model import weight_bytes
-from pagedkv.tools.quant_writers import ct_config, to_bnb_nf4, to_compressed_tensors_int4, to_finegrained
+from pagedkv.tools.quant_writers import ct_config, to_bnb_int8, to_bnb_nf4, to_compressed_tensors_int4, to_finegrained
 from test_engine import random_prompts
 from test_quantized_checkpoints import assert_cuda_generate_matches, assert_llm_matches
 
@@ -53,6 +54,17 @@ def nf4(double_quant):
         state = to_bnb_nf4(w, block_size=64, double_quant=double_quant)  # keys "weight", "weight.absmax", ...
         return state, bnb_dequantize(state)
     return write
+
+
+def int8(weight_format):
+    def write(w):
+        state = to_bnb_int8(w, weight_format)  # keys "weight", "SCB"[, "weight_format"]
+        return state, bnb_int8_dequantize(state)
+    return write
+
+
+def int8_bytes(shape, stored, fused):
+    return shape[0] * shape[1] + 4 * shape[0]  # int8 values, an fp32 absmax a row
 
 
 def ct_int4(group):
@@ -104,6 +116,10 @@ FORMATS = {
                              nf4(True), nf4_bytes, "one"),
     "bnb-nf4-qwen2": ("qwen2", {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
                                 "bnb_4bit_use_double_quant": False}, nf4(False), nf4_bytes, "one"),
+    "bnb-int8-llama": ("llama", {"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": 6.0},
+                       int8(True), int8_bytes, "one"),
+    "bnb-int8-qwen2": ("qwen2", {"quant_method": "bitsandbytes", "load_in_8bit": True}, int8(False), int8_bytes,
+                       "one"),
     "ct-w4a16-g128-llama": ("llama", ct_config("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group",
                                                                  "group_size": 128}),
                             ct_int4(128), int4_bytes(128), "one"),
@@ -111,7 +127,7 @@ FORMATS = {
                                                                     "strategy": "channel"}),
                                ct_int4(-1), int4_bytes(-1), "one"),
 }
-FORMS = {"fp8": Fp8Weight, "bnb": Nf4Packed, "ct-fp8": Fp8Weight, "ct-w4a16": W4A16Weight}
+FORMS = {"fp8": Fp8Weight, "bnb": Nf4Packed, "bnb-int8": Int8Weight, "ct-fp8": Fp8Weight, "ct-w4a16": W4A16Weight}
 
 
 def form(case: str) -> type:
@@ -135,7 +151,7 @@ def write_checkpoint(folder: pathlib.Path, case: str, dense_dtype: torch.dtype =
         tensors.update({f"{name}.{k}": v for k, v in stored.items()})
         reference.get_submodule(name).weight.data.copy_(dequantized)
         expected += count(tuple(module.weight.shape), stored, leaf in FUSED)
-    if case.startswith("bnb"):
+    if case.startswith("bnb-nf4"):
         expected += 16 * 4 * 4 * len(model.model.layers)  # a codebook per packed weight: QKV, O, gate/up, down
     for name, p in model.named_parameters():
         if name.rpartition(".")[0].rpartition(".")[2] in LINEARS and name.endswith(".weight"):
@@ -168,7 +184,8 @@ def test_generate_matches_hf_on_the_dequantized_model(tmp_path, case):
     assert torch.equal(got, reference.generate(ids, **GREEDY))
 
 
-@pytest.mark.parametrize("case", ["fp8-block128-llama", "bnb-nf4-double-llama", "ct-w4a16-g128-llama"])
+@pytest.mark.parametrize("case", ["fp8-block128-llama", "bnb-nf4-double-llama", "bnb-int8-llama",
+                                  "ct-w4a16-g128-llama"])
 def test_bf16_activations_match_hf_up_to_near_ties(tmp_path, case):
     from tolerance import assert_tokens_equal_up_to_near_tie
 
@@ -181,7 +198,7 @@ def test_bf16_activations_match_hf_up_to_near_ties(tmp_path, case):
     assert_tokens_equal_up_to_near_tie(got, want, ids.shape[1])
 
 
-@pytest.mark.parametrize("case", ["fp8-block96x64-qwen2", "bnb-nf4-qwen2", "ct-fp8-channel-qwen2"])
+@pytest.mark.parametrize("case", ["fp8-block96x64-qwen2", "bnb-nf4-qwen2", "bnb-int8-qwen2", "ct-fp8-channel-qwen2"])
 def test_llm_matches_hf(tmp_path, case):
     reference, _ = write_checkpoint(tmp_path, case)
     model = pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
@@ -219,7 +236,9 @@ BAD_CONFIGS = [
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "fp8", "scale_fmt": "e5m2"}, "scale_fmt"),
     ({"quant_method": "fp8", "modules_to_convert": ["embed_tokens"]}, "modules_to_convert"),
-    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "load_in_8bit"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": True}, "load_in_4bit"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_has_fp16_weight": True},
+     "llm_int8_has_fp16_weight"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "bnb_4bit_quant_type"),
     ({"quant_method": "bitsandbytes"}, "load_in_4bit"),
     (_ct("marlin-24", INT4_CT), "format"),
@@ -251,8 +270,9 @@ def test_unsupported_configs_are_refused_naming_the_field(tmp_path, quant, field
 
 
 def test_bad_tensors_are_named(tmp_path):
-    """A compressed-tensors layer with a zero point (asymmetric) despite a symmetric config, and a
-    bnb layer whose quant state says fp4, are refused naming the layer and the tensor."""
+    """A compressed-tensors layer with a zero point (asymmetric) despite a symmetric config, a bnb
+    NF4 layer without its absmax and an LLM.int8 layer with a short SCB are refused naming the
+    layer and the tensor."""
     write_checkpoint(tmp_path, "ct-w4a16-g128-llama")
     from safetensors.torch import load_file
 
@@ -267,11 +287,17 @@ def test_bad_tensors_are_named(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj.*absmax"):
         pagedkv.from_pretrained_quantized(tmp_path, device="cpu")
+    write_checkpoint(tmp_path, "bnb-int8-llama")
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.self_attn.o_proj.SCB"] = tensors["model.layers.1.self_attn.o_proj.SCB"][:3]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.o_proj.*SCB must be 256 float32 row absmaxes"):
+        pagedkv.from_pretrained_quantized(tmp_path, device="cpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", ["fp8-block128-llama", "ct-fp8-channel-qwen2", "bnb-nf4-double-llama",
-                                  "ct-w4a16-g128-llama"])
+                                  "bnb-int8-llama", "ct-w4a16-g128-llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_generate_matches_hf(tmp_path, case, dtype):
     reference, _ = write_checkpoint(tmp_path, case)

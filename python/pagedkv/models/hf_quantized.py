@@ -21,8 +21,9 @@ quantized_state() adds each quantized module's tensors (bitsandbytes' quant_stat
 version counters to the model's fingerprint (runtime/model.py), which takes the weights again
 after a write. Writes through ``.data`` bypass version counters and are not seen.
 
-Anything else quantized (LLM.int8 Linear8bitLt, fp4, other quantizers, a quantized LM head or
-embedding, MoE or Phi-3 layers) is refused naming the module and class.
+Anything else quantized (LLM.int8 Linear8bitLt: its checkpoint folder loads with
+from_pretrained_quantized; fp4, other quantizers, a quantized LM head or embedding, MoE or Phi-3
+layers) is refused naming the module and class.
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ def _module_reason(name: str, m: nn.Module, fmt: QuantFormat) -> str | None:
         if state is None or getattr(state, "quant_type", None) != "nf4":
             return f"quant_type {getattr(state, 'quant_type', None)!r} (not quantized yet, or not NF4)"
         return None
+    if fmt.name == "bitsandbytes int8":
+        return (f"a {kind.__name__} of load_in_8bit (LLM.int8): pagedkv reads LLM.int8 weights from the checkpoint "
+                "folder, pagedkv.from_pretrained_quantized(folder)")
     if fmt.name == "fp8":
         weight = m._parameters.get("weight")
         if kind.__name__ != "FP8Linear" or weight is None or weight.dtype != torch.float8_e4m3fn:

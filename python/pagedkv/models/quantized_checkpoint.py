@@ -8,6 +8,7 @@ layers read once from its stored tensors into its kernel's layout, never dequant
                   (weight, weight_scale) -> quant.Fp8Weight as stored
     NF4           bitsandbytes (weight, weight.absmax, weight.quant_map, [weight.nested_*],
                   weight.quant_state.bitsandbytes__nf4) -> quant.pack_nf4
+    int8          bitsandbytes LLM.int8 (weight, SCB[, weight_format]) -> quant.Int8Weight as stored
 
 The config's quantization_config is checked by quant/formats.py. The embedding, norms, biases
 and LM head (unquantized in these checkpoints) are cast to the activations' dtype; so is a
@@ -19,7 +20,8 @@ where the checkpoint left them unquantized).
 
 QKV and gate/up are one weight each when their parts allow it (int4: the same group size and,
 with desc_act, the same column order, as GPTQ sorts q, k, v by the same input's statistics;
-FP8: the same scale columns and no scale block across two parts; NF4: the same blocks); else
+FP8: the same scale columns and no scale block across two parts; NF4: the same blocks; int8:
+always); else
 they stay parts side by side (quant/dispatch.py).
 """
 
@@ -37,6 +39,7 @@ from pagedkv.quant.dispatch import LinearWeight
 from pagedkv.quant.formats import QuantFormat, quant_format
 from pagedkv.quant.fp8 import Fp8Weight, from_compressed_tensors_fp8, from_finegrained_fp8
 from pagedkv.quant.int4 import Int4Weight, from_awq, from_compressed_tensors_int4, from_gptq
+from pagedkv.quant.int8 import Int8Weight, from_bnb_int8
 from pagedkv.quant.linear import pack_w4a16
 from pagedkv.quant.linear_nf4 import pack_nf4
 from pagedkv.quant.nf4 import Nf4Weight, from_bnb_nf4
@@ -46,10 +49,11 @@ __all__ = ["QuantFormat", "quant_format", "read_quantized"]
 # The tensor that marks a linear as quantized in each format (absent: left unquantized, dense)
 MARKERS = {"awq": "qweight", "gptq": "qweight", "compressed-tensors w4a16": "weight_packed",
            "fp8": "weight_scale_inv", "compressed-tensors fp8": "weight_scale",
-           "bitsandbytes nf4": "weight.quant_state.bitsandbytes__nf4", "torchao int4": "_weight_qdata"}
+           "bitsandbytes nf4": "weight.quant_state.bitsandbytes__nf4", "bitsandbytes int8": "SCB",
+           "torchao int4": "_weight_qdata"}
 # torchao's optional inner tensors that change what a weight computes (AWQ-style activation scales)
 TORCHAO_REFUSED = ("_weight_act_pre_scale",)
-Quantized = Int4Weight | Fp8Weight | Nf4Weight
+Quantized = Int4Weight | Fp8Weight | Nf4Weight | Int8Weight
 
 
 def read_quantized(model, reader, fmt: QuantFormat, device: torch.device, dtype: torch.dtype) -> DecoderWeights:
@@ -169,6 +173,13 @@ def _read_linear(reader, prefix: str, fmt: QuantFormat, shape: tuple[int, int] |
         return from_finegrained_fp8(**read("weight", "weight_scale_inv"), block_size=fmt.block)
     if fmt.name == "compressed-tensors fp8":
         return from_compressed_tensors_fp8(**read("weight", "weight_scale"), block_size=fmt.block)
+    if fmt.name == "bitsandbytes int8":
+        if shape is None:
+            raise ValueError("LLM.int8 experts are not read (supported: LLM.int8 decoder linears; MoE experts as FP8 "
+                             "or AWQ/GPTQ/compressed-tensors int4)")
+        stored_format = f"{prefix}.weight_format"
+        return from_bnb_int8(reader.read(f"{prefix}.weight"), reader.read(f"{prefix}.SCB"),
+                             reader.read(stored_format) if stored_format in reader.files else None)
     state = {name: reader.read(name) for name in reader.files if name.startswith(f"{prefix}.weight.")}
     return from_bnb_nf4(reader.read(f"{prefix}.weight"), state)
 
@@ -176,7 +187,8 @@ def _read_linear(reader, prefix: str, fmt: QuantFormat, shape: tuple[int, int] |
 def _stack(parts: list) -> Quantized | None:
     """Parts of one fused layer (QKV, gate/up) as one weight, their output rows in order, or None
     where they cannot share one: a part left dense, other groups or column orders (int4),
-    other scale columns or a scale block across two parts (FP8), other blocks (NF4)."""
+    other scale columns or a scale block across two parts (FP8), other blocks (NF4). int8
+    parts always stack (a scale a row)."""
     first = parts[0]
     if len(parts) == 1:
         return first
@@ -198,6 +210,8 @@ def _stack(parts: list) -> Quantized | None:
             return None
         return Fp8Weight(weight=torch.cat([p.weight for p in parts]), scales=torch.cat([p.scales for p in parts]),
                          block=block)
+    if isinstance(first, Int8Weight):
+        return Int8Weight(q=torch.cat([p.q for p in parts]), scb=torch.cat([p.scb for p in parts]))
     if any(p.block_size != first.block_size or not torch.equal(p.code, first.code) for p in parts[1:]):
         return None
     return Nf4Weight(q=torch.cat([p.q for p in parts]), absmax=torch.cat([p.absmax for p in parts]),

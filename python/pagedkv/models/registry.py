@@ -163,7 +163,7 @@ def _placement_reason(model, placement: bool, quantized: set[int] = frozenset(),
         return (f"parameter dtypes {sorted(map(str, dtypes))} are not supported; supported: one of "
                 f"{', '.join(map(str, SUPPORTED_DTYPES))} for all parameters (a model loaded quantized runs with "
                 f"the linears of models/hf_quantized.py, types {', '.join(QUANTIZED_MODEL_TYPES)}; quantized "
-                "checkpoints (AWQ, GPTQ, compressed-tensors, FP8, bitsandbytes NF4) load with "
+                "checkpoints (AWQ, GPTQ, compressed-tensors, FP8, bitsandbytes NF4 and LLM.int8) load with "
                 "pagedkv.from_pretrained_quantized)")
     if not placement:
         return None

@@ -2,9 +2,10 @@
 
 A linear's weight (LinearWeight) is a dense tensor [N, K] (HF's own, or fused), a W4A16Weight
 (an int4 checkpoint's layer, quant/linear.py), an Fp8Weight (quant/fp8.py), an Nf4Packed
-(quant/linear_nf4.py), or a tuple of parts whose outputs are concatenated: fused layers (QKV,
-gate/up) whose parts cannot share one packed weight (a desc_act checkpoint whose q/k/v columns
-were sorted differently, FP8 blocks that straddle two parts, or a part left unquantized).
+(quant/linear_nf4.py), an Int8Weight (quant/int8.py), or a tuple of parts whose outputs are
+concatenated: fused layers (QKV, gate/up) whose parts cannot share one packed weight (a desc_act
+checkpoint whose q/k/v columns were sorted differently, FP8 blocks that straddle two parts, or a
+part left unquantized).
 A dense tensor takes exactly the ops it took before (ops.linear, ops.gate_up_silu).
 """
 
@@ -16,11 +17,13 @@ import torch
 
 from pagedkv import ops
 from pagedkv.quant.fp8 import Fp8Weight
+from pagedkv.quant.int8 import Int8Weight
 from pagedkv.quant.linear import W4A16Weight, linear_w4a16_weight
 from pagedkv.quant.linear_fp8 import linear_fp8
+from pagedkv.quant.linear_int8 import linear_int8_weight
 from pagedkv.quant.linear_nf4 import Nf4Packed, linear_nf4_weight
 
-LinearWeight = Union[torch.Tensor, W4A16Weight, Fp8Weight, Nf4Packed, tuple["LinearWeight", ...]]
+LinearWeight = Union[torch.Tensor, W4A16Weight, Fp8Weight, Nf4Packed, Int8Weight, tuple["LinearWeight", ...]]
 
 
 def apply_linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,6 +36,8 @@ def apply_linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = N
         out = linear_fp8(x, w)
     elif isinstance(w, Nf4Packed):
         out = linear_nf4_weight(x, w)
+    elif isinstance(w, Int8Weight):
+        out = linear_int8_weight(x, w)
     else:  # parts side by side along N
         out = torch.cat([apply_linear(x, part) for part in w], dim=-1)
     return out if bias is None else out.add_(bias)
@@ -56,6 +61,8 @@ def linear_tensors(w: object) -> list[torch.Tensor]:
         return [w.weight, w.scales]
     if isinstance(w, Nf4Packed):
         return [w.packed, w.absmax, w.code]
+    if isinstance(w, Int8Weight):
+        return [w.q, w.scb]
     if isinstance(w, tuple):
         return [t for part in w for t in linear_tensors(part)]
     return []

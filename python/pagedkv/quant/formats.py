@@ -31,9 +31,9 @@ CT_FP8_STRATEGIES = ("channel", "tensor", "block")
 @dataclasses.dataclass(frozen=True, slots=True)
 class QuantFormat:
     # "awq", "gptq", "fp8", "compressed-tensors w4a16", "compressed-tensors fp8", "bitsandbytes nf4",
-    # "torchao int4"
+    # "bitsandbytes int8", "torchao int4"
     name: str
-    weights: str  # the kernel it runs: "int4", "fp8" or "nf4"
+    weights: str  # the kernel it runs: "int4", "fp8", "nf4" or "int8"
     group_size: int = 0  # int4: input columns a group (-1: all of them)
     zero_offset: bool = False  # GPTQ's historical format: zeros stored as zero - 1
     block: tuple[int, int] | None = None  # fp8 with block scales: (rows, columns) under one scale
@@ -51,7 +51,7 @@ def quant_format(quant_config) -> QuantFormat:
                "bitsandbytes": _bitsandbytes, "torchao": _torchao}
     if method not in readers:
         raise _refuse(q, "quant_method", "'awq', 'gptq' (int4), 'fp8' (FineGrainedFP8), 'compressed-tensors' "
-                      "(W4A16 pack-quantized, FP8 float-quantized), 'bitsandbytes' (NF4), 'torchao' (int4 "
+                      "(W4A16 pack-quantized, FP8 float-quantized), 'bitsandbytes' (NF4, LLM.int8), 'torchao' (int4 "
                       "weight-only, tile_packed_to_4d)")
     return readers[method](q, method)
 
@@ -159,9 +159,16 @@ def _compressed_tensors(q: dict, method: str) -> QuantFormat:
 
 def _bitsandbytes(q: dict, method: str) -> QuantFormat:
     if q.get("load_in_8bit"):
-        raise _refuse(q, "load_in_8bit", "false (LLM.int8 is not supported; 4-bit NF4 is)")
+        if q.get("load_in_4bit"):
+            raise _refuse(q, "load_in_4bit", "false with load_in_8bit (one of the two)")
+        if q.get("llm_int8_has_fp16_weight"):
+            raise _refuse(q, "llm_int8_has_fp16_weight", "false (the weights stored as int8)")
+        # llm_int8_threshold sets how bitsandbytes' forward splits the activations (outlier
+        # columns in 16 bits, the rest quantized to int8); pagedkv does not quantize activations,
+        # so it computes with the weights alone (quant/int8.py), whatever the threshold.
+        return QuantFormat("bitsandbytes int8", "int8")
     if not q.get("load_in_4bit"):
-        raise _refuse(q, "load_in_4bit", "true (NF4)")
+        raise _refuse(q, "load_in_4bit", "true (NF4), or load_in_8bit true (LLM.int8)")
     if str(q.get("bnb_4bit_quant_type", "fp4")).lower() != "nf4":
         raise _refuse(q, "bnb_4bit_quant_type", "'nf4'")
     return QuantFormat("bitsandbytes nf4", "nf4")

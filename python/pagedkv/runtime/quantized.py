@@ -1,5 +1,5 @@
 """pagedkv.from_pretrained_quantized: an AWQ, GPTQ or compressed-tensors W4A16 (int4), FP8
-(FineGrainedFP8, compressed-tensors) or bitsandbytes NF4 checkpoint run by pagedkv, its linears
+(FineGrainedFP8, compressed-tensors) or bitsandbytes NF4 or LLM.int8 checkpoint run by pagedkv, its linears
 held in pagedkv's kernel layouts (models/quantized_checkpoint.py), never dequantized; FP8 and
 int4 also for mixture-of-experts models (models/quantized_moe.py).
 

@@ -8,6 +8,8 @@ writes checkpoints of a 7B shape with them, so they are vectorized and run on w'
                                 weight_packed, weight_scale, weight_shape
     to_bnb_nf4                  bitsandbytes' serialized Params4bit (NF4, with or without double
                                 quantization): weight, weight.absmax, weight.quant_map, ...
+    to_bnb_int8                 bitsandbytes' serialized Linear8bitLt (LLM.int8): weight, SCB
+                                [, weight_format]
     ct_config                   a compressed-tensors quantization_config as llm-compressor writes it
     to_torchao_int4             torchao's Int4WeightOnlyConfig "tile_packed_to_4d" as transformers
                                 saves it: _weight_qdata, _weight_scale_and_zero (tinygemm_qparams:
@@ -16,7 +18,7 @@ writes checkpoints of a 7B shape with them, so they are vectorized and run on w'
                                 its config.json entry: pagedkv.quant.formats.torchao_int4_config)
 
 Each format's own dequantization formula, transcribed loop by loop from its package, stays in
-tests/ (fp8_formats.py, int4_formats.py, nf4_formats.py): the references these are checked
+tests/ (fp8_formats.py, int4_formats.py, nf4_formats.py, int8_formats.py): the references these are checked
 against (tests/test_quant_writers.py), independently of pagedkv.quant's readers.
 """
 
@@ -117,6 +119,19 @@ def _nearest(values: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     for start in range(0, flat.numel(), chunk):
         out[start:start + chunk] = (flat[start:start + chunk, None] - code).abs().argmin(-1)
     return out
+
+
+def to_bnb_int8(w: torch.Tensor, weight_format: bool = True) -> dict[str, torch.Tensor]:
+    """w [out, in] -> one Linear8bitLt's state dict entries (keys "weight", "SCB" and, as
+    bitsandbytes writes it, "weight_format" 0 = "row"): each row rounded to int8 under its absmax
+    (int8_vectorwise_quant: round(127 * w / absmax))."""
+    w = w.float()
+    scb = w.abs().amax(-1).clamp_min(1e-12)  # [out]
+    q = torch.round(w * (127.0 / scb).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    state = {"weight": q, "SCB": scb}
+    if weight_format:
+        state["weight_format"] = torch.tensor(0, dtype=torch.uint8)
+    return state
 
 
 def to_bnb_nf4(w: torch.Tensor, block_size: int = 64, double_quant: bool = True,
