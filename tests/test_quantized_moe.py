@@ -22,11 +22,12 @@ from safetensors.torch import save_file
 import pagedkv
 from fp8_formats import compressed_tensors_dequantize, finegrained_dequantize, to_compressed_tensors
 from int4_formats import awq_dequantize, gptq_dequantize, quantize, to_awq, to_gptq
+from int8_formats import bnb_int8_dequantize
 from nf4_formats import bnb_dequantize
 from pagedkv.layers import moe
 from pagedkv.layers.moe_quantized import Fp8Experts, Int4Experts
 from pagedkv.runtime.model import weight_bytes
-from pagedkv.tools.quant_writers import ct_config, to_bnb_nf4, to_finegrained
+from pagedkv.tools.quant_writers import ct_config, to_bnb_int8, to_bnb_nf4, to_finegrained
 from test_engine import random_prompts
 from test_moe import CASES as MOE_CASES, tiny
 from test_quantized_checkpoints import assert_cuda_generate_matches, assert_llm_matches
@@ -53,6 +54,7 @@ FORMATS = {
     # bitsandbytes quantizes linear modules only: attention and the shared expert, not the experts
     "bnb-nf4-qwen2_moe": ("qwen2_moe", {"quant_method": "bitsandbytes", "load_in_4bit": True,
                                         "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}, "nf4"),
+    "bnb-int8-qwen3_moe": ("qwen3_moe", {"quant_method": "bitsandbytes", "load_in_8bit": True}, "int8"),
 }
 # the held form of a case's experts (else Fp8Experts): int4, or dense where left unquantized
 FORMS = {"awq": Int4Experts, "gptq": Int4Experts, "bnb": torch.Tensor}
@@ -77,8 +79,11 @@ def write_checkpoint(folder: pathlib.Path, case: str) -> torch.nn.Module:
     for key, value in stored.items():
         module, _, leaf = key.rpartition(".")
         expert = ".experts." in module
-        if leaf == "weight" and module.rpartition(".")[2] in QUANTIZED and not (expert and scheme == "nf4"):
-            if scheme == "nf4":
+        if leaf == "weight" and module.rpartition(".")[2] in QUANTIZED and not (expert and scheme in ("nf4", "int8")):
+            if scheme == "int8":
+                parts = to_bnb_int8(value)
+                dequantized[key] = bnb_int8_dequantize(parts)
+            elif scheme == "nf4":
                 parts = to_bnb_nf4(value, block_size=32, double_quant=True)
                 dequantized[key] = bnb_dequantize(parts)
             elif scheme == "awq":
@@ -230,6 +235,20 @@ def test_experts_quantized_in_part_are_named(tmp_path):
         del tensors[f"{name}.weight_scale_inv"]
     save_file(tensors, path)
     with pytest.raises(ValueError, match=r"model.layers.0.mlp's experts are quantized in some projections only"):
+        pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
+
+
+def test_llm_int8_experts_are_named(tmp_path):
+    """Experts stored in LLM.int8 (transformers leaves them unquantized; a checkpoint written
+    otherwise) are refused naming the tensor and what is read."""
+    write_checkpoint(tmp_path, "bnb-int8-qwen3_moe")
+    path = tmp_path / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    prefix = "model.layers.0.mlp.experts.0.gate_proj"
+    tensors.update({f"{prefix}.{k}": v for k, v in to_bnb_int8(tensors.pop(f"{prefix}.weight").float()).items()})
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=rf"{prefix} in .*LLM.int8 experts are not read"):
         pagedkv.from_pretrained_quantized(tmp_path, dtype=torch.float32, device="cpu")
 
 
