@@ -14,6 +14,7 @@ from models import tiny_model
 from test_engine import random_prompts
 from test_quantized_formats import write_checkpoint
 from pagedkv.quant.fp8 import Fp8Weight
+from pagedkv.quant.int8 import Int8Weight
 from pagedkv.quant.linear import W4A16Weight
 from pagedkv.quant.linear_nf4 import Nf4Packed
 
@@ -127,8 +128,36 @@ def test_fp8linear_model_runs_as_its_checkpoint(tmp_path, case):
     assert torch.equal(got, reference.generate(ids(), **GREEDY))
 
 
+def test_bnb_int8_model_runs_as_its_checkpoint(tmp_path):
+    """A model transformers + bitsandbytes quantized to LLM.int8 on loading: pagedkv reads its
+    Linear8bitLt modules' int8 weights and SCB, the tokens of from_pretrained_quantized on the
+    folder save_pretrained wrote and of HF on bitsandbytes' dequantized weights (pagedkv does not
+    quantize activations as bitsandbytes' forward does); a write to SCB is seen."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    reference = tiny_model("llama")
+    reference.save_pretrained(tmp_path / "fp32")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", quantization_config=BitsAndBytesConfig(
+        load_in_8bit=True), device_map="cpu", dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "int8")
+    got = pagedkv.generate(hf, ids(), **GREEDY)
+    assert_packed(hf, Int8Weight)
+    from_folder = pagedkv.from_pretrained_quantized(tmp_path / "int8", dtype=torch.float32, device="cpu")
+    assert torch.equal(got, pagedkv.generate(from_folder, ids(), **GREEDY))
+    for name, module in hf.named_modules():
+        if type(module).__name__ == "Linear8bitLt":
+            reference.get_submodule(name).weight.data.copy_(module.weight.data * module.weight.SCB.view(-1, 1)
+                                                            * 7.874015718698502e-3)
+    assert torch.equal(got, reference.generate(ids(), **GREEDY))
+    state = hf._pagedkv_model
+    hf.model.layers[0].mlp.down_proj.weight.SCB.mul_(4)  # in place: the weights pagedkv held are stale
+    pagedkv.generate(hf, ids(), **GREEDY)
+    assert hf._pagedkv_model is not state
+
+
 @pytest.mark.parametrize("quant, names", [
-    (dict(load_in_8bit=True), ["Linear8bitLt", "load_in_8bit"]),
+    (dict(load_in_8bit=True, llm_int8_has_fp16_weight=True), ["Linear8bitLt", "llm_int8_has_fp16_weight"]),
     (dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"), ["Linear4bit", "bnb_4bit_quant_type='fp4'"]),
 ])
 def test_other_quantized_modules_are_refused_naming_the_class(tmp_path, quant, names):

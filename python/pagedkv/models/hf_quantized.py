@@ -1,7 +1,8 @@
 """HF models that transformers loaded quantized, run by pagedkv from the quantized modules' own
 packed tensors, never dequantized:
 
-    bitsandbytes       Linear4bit / LinearNF4 with quant_type nf4 (double quantization or not)
+    bitsandbytes       Linear4bit / LinearNF4 with quant_type nf4 (double quantization or not);
+                       Linear8bitLt (LLM.int8, load_in_8bit: weight int8, SCB; weights only)
     compressed-tensors nn.Linear with a quantization_scheme: W4A16 pack-quantized (weight_packed,
                        weight_scale, weight_shape) and weight-only FP8 float-quantized (weight,
                        weight_scale); a layer transformers' forward already decompressed: its weight
@@ -21,9 +22,8 @@ quantized_state() adds each quantized module's tensors (bitsandbytes' quant_stat
 version counters to the model's fingerprint (runtime/model.py), which takes the weights again
 after a write. Writes through ``.data`` bypass version counters and are not seen.
 
-Anything else quantized (LLM.int8 Linear8bitLt: its checkpoint folder loads with
-from_pretrained_quantized; fp4, other quantizers, a quantized LM head or embedding, MoE or Phi-3
-layers) is refused naming the module and class.
+Anything else quantized (fp4, Linear8bitLt keeping fp16 weights, other quantizers, a quantized LM
+head or embedding, MoE or Phi-3 layers) is refused naming the module and class.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from pagedkv.models.module_path import _quantized, tensor_subclass
 from pagedkv.models.quantized_checkpoint import read_quantized
 from pagedkv.quant.formats import QuantFormat, quant_format, torchao_int4_config
 
-SUPPORTED = ("bitsandbytes Linear4bit with quant_type 'nf4', compressed-tensors W4A16 (pack-quantized) or "
-             "weight-only FP8 (float-quantized) linears, transformers' FP8Linear (FineGrainedFP8, dynamic "
-             "activations), torchao Int4WeightOnlyConfig (tile_packed_to_4d), in the decoder layers' q/k/v/o "
-             "and gate/up/down projections")
+SUPPORTED = ("bitsandbytes Linear4bit with quant_type 'nf4' or Linear8bitLt (LLM.int8), compressed-tensors "
+             "W4A16 (pack-quantized) or weight-only FP8 (float-quantized) linears, transformers' FP8Linear "
+             "(FineGrainedFP8, dynamic activations), torchao Int4WeightOnlyConfig (tile_packed_to_4d), in the "
+             "decoder layers' q/k/v/o and gate/up/down projections")
 TORCHAO_INT4_CLASS = "Int4TilePackedTo4dTensor"
 # The decoder linears a quantized module may hold (models/llama.py's layout, one per projection).
 _LINEAR_NAME = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
@@ -122,6 +122,9 @@ def quantized_state(model, quantized_types: tuple[str, ...]) -> tuple:
         if _torchao_weight(m) is not None:  # a wrapper of no storage: its inner tensors
             tensors = {f"weight.{k}": getattr(m.weight, k) for k in m.weight.tensor_data_names} | \
                 {k: t for k, t in tensors.items() if k != "weight"}
+        row_absmax = getattr(m._parameters.get("weight"), "SCB", None)  # LLM.int8's: not a parameter
+        if isinstance(row_absmax, torch.Tensor):
+            tensors["weight.SCB"] = row_absmax
         state = getattr(m._parameters.get("weight"), "quant_state", None)
         if state is not None:
             items.append((f"{name}.weight.quant_state (packed)", ("module", type(state), id(state))))
@@ -174,8 +177,12 @@ def _module_reason(name: str, m: nn.Module, fmt: QuantFormat) -> str | None:
             return f"quant_type {getattr(state, 'quant_type', None)!r} (not quantized yet, or not NF4)"
         return None
     if fmt.name == "bitsandbytes int8":
-        return (f"a {kind.__name__} of load_in_8bit (LLM.int8): pagedkv reads LLM.int8 weights from the checkpoint "
-                "folder, pagedkv.from_pretrained_quantized(folder)")
+        weight = m._parameters.get("weight")
+        if kind.__name__ != "Linear8bitLt" or weight is None or weight.dtype != torch.int8:
+            return "LLM.int8 layers must be bitsandbytes' Linear8bitLt with int8 weights (load_in_8bit)"
+        if getattr(weight, "SCB", None) is None:
+            return "its weight has no SCB (row absmaxes): not quantized yet"
+        return None
     if fmt.name == "fp8":
         weight = m._parameters.get("weight")
         if kind.__name__ != "FP8Linear" or weight is None or weight.dtype != torch.float8_e4m3fn:
