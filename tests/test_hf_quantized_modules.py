@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pagedkv
+from int8_formats import bnb_int8_dequantize
 from models import tiny_model
 from test_engine import random_prompts
 from test_quantized_formats import write_checkpoint
@@ -40,6 +41,26 @@ def bnb_model(folder, double_quant: bool, arch: str = "qwen2", seed: int = 0, de
     return reference, hf
 
 
+def runs_as_its_checkpoint(hf, folder, cls: type) -> torch.Tensor:
+    """pagedkv's greedy tokens on `hf` (a model loaded quantized), after checking that its linears
+    are held as `cls` and that from_pretrained_quantized on the folder hf.save_pretrained writes
+    gives the same tokens."""
+    hf.save_pretrained(folder)
+    got = pagedkv.generate(hf, ids(), **GREEDY)
+    assert_packed(hf, cls)
+    from_folder = pagedkv.from_pretrained_quantized(folder, dtype=torch.float32, device="cpu")
+    assert torch.equal(got, pagedkv.generate(from_folder, ids(), **GREEDY))
+    return got
+
+
+def load_dequantized(reference, hf, kind: str, dequantize) -> None:
+    """Each `kind` module of hf (a bitsandbytes class name) into reference's linear of its name, as
+    dequantize(module) computes its weight."""
+    for name, module in hf.named_modules():
+        if type(module).__name__ == kind:
+            reference.get_submodule(name).weight.data.copy_(dequantize(module))
+
+
 def assert_packed(model, cls: type) -> None:
     layer = model._pagedkv_model.weights.layers[0]
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down):  # fused, or parts where blocks differ
@@ -54,15 +75,8 @@ def test_bnb_nf4_model_runs_as_its_checkpoint(tmp_path, double_quant):
     bnb = pytest.importorskip("bitsandbytes.functional")
 
     reference, hf = bnb_model(tmp_path / "fp32", double_quant)
-    hf.save_pretrained(tmp_path / "nf4")
-    got = pagedkv.generate(hf, ids(), **GREEDY)
-    assert_packed(hf, Nf4Packed)
-    from_folder = pagedkv.from_pretrained_quantized(tmp_path / "nf4", dtype=torch.float32, device="cpu")
-    assert torch.equal(got, pagedkv.generate(from_folder, ids(), **GREEDY))
-    for name, module in hf.named_modules():
-        if type(module).__name__ == "Linear4bit":
-            reference.get_submodule(name).weight.data.copy_(bnb.dequantize_4bit(module.weight.data,
-                                                                                module.weight.quant_state))
+    got = runs_as_its_checkpoint(hf, tmp_path / "nf4", Nf4Packed)
+    load_dequantized(reference, hf, "Linear4bit", lambda m: bnb.dequantize_4bit(m.weight.data, m.weight.quant_state))
     assert torch.equal(got, reference.generate(ids(), **GREEDY))
     state = hf._pagedkv_model
     hf_tokens = hf.generate(ids(), **GREEDY)
@@ -140,15 +154,9 @@ def test_bnb_int8_model_runs_as_its_checkpoint(tmp_path):
     reference.save_pretrained(tmp_path / "fp32")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", quantization_config=BitsAndBytesConfig(
         load_in_8bit=True), device_map="cpu", dtype=torch.float32)
-    hf.save_pretrained(tmp_path / "int8")
-    got = pagedkv.generate(hf, ids(), **GREEDY)
-    assert_packed(hf, Int8Weight)
-    from_folder = pagedkv.from_pretrained_quantized(tmp_path / "int8", dtype=torch.float32, device="cpu")
-    assert torch.equal(got, pagedkv.generate(from_folder, ids(), **GREEDY))
-    for name, module in hf.named_modules():
-        if type(module).__name__ == "Linear8bitLt":
-            reference.get_submodule(name).weight.data.copy_(module.weight.data * module.weight.SCB.view(-1, 1)
-                                                            * 7.874015718698502e-3)
+    got = runs_as_its_checkpoint(hf, tmp_path / "int8", Int8Weight)
+    load_dequantized(reference, hf, "Linear8bitLt",
+                     lambda m: bnb_int8_dequantize({"weight": m.weight.data, "SCB": m.weight.SCB}))
     assert torch.equal(got, reference.generate(ids(), **GREEDY))
     state = hf._pagedkv_model
     hf.model.layers[0].mlp.down_proj.weight.SCB.mul_(4)  # in place: the weights pagedkv held are stale
