@@ -115,11 +115,11 @@ constexpr int kDownGroup = 8;
 // sum + HF's weighting of up to kDownGroup experts' per-lane dot products `part` (summed over
 // the warp here): each expert's output rounded to the dtype, times its weight (weights[g]) in
 // the weights' dtype, then an fp32 sum. No FMA. Every lane returns the same sum.
-template <typename T, typename W>
-__device__ __forceinline__ float add_weighted(float sum, const float (&part)[kDownGroup],
-                                              const bool (&valid)[kDownGroup], const W* __restrict__ weights) {
+template <typename T, typename W, int kGroup>
+__device__ __forceinline__ float add_weighted(float sum, const float (&part)[kGroup],
+                                              const bool (&valid)[kGroup], const W* __restrict__ weights) {
 #pragma unroll
-  for (int g = 0; g < kDownGroup; ++g) {
+  for (int g = 0; g < kGroup; ++g) {
     if (!valid[g]) continue;
     const float y = to_float(from_float<T>(warp_sum(part[g])));
     sum = __fadd_rn(sum, to_float(from_float<W>(__fmul_rn(y, to_float(weights[g])))));
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
         }
       }
     }
-    sum = add_weighted<T, W>(sum, part, valid, weights + t * top_k + j0);
+    sum = add_weighted<T, W, kDownGroup>(sum, part, valid, weights + t * top_k + j0);
   }
   if (threadIdx.x % 32 == 0) out[t * hidden + row] = from_float<T>(sum);
 }
@@ -188,11 +188,12 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
 // waves of 8 warps an SM. Here the token's k act rows are staged in shared memory once per block
 // (each of the 8 warps read all of them from L1/L2 before) and read one expert at a time as its
 // products are taken, the weights come through streaming loads after an L2 prefetch issued
-// before the staging, and __launch_bounds__(.., 2) holds it under 128 registers (118 on sm_90,
-// no spills): one wave of 16 warps an SM. The same products in the same order: bit for bit the
+// before the staging, and __launch_bounds__(.., kBlocks = 2) holds it under 128 registers (118 on
+// sm_90, no spills): one wave of 16 warps an SM (kGroup = kDownGroup experts side by side; larger
+// grids take StagedDownBlocks, below). The same products in the same order: bit for bit the
 // default kernel's results. 16-byte act vectors only; shared memory: k * I * sizeof(T) bytes.
-template <typename T, typename W, int kVec, typename Rows>
-__global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
+template <typename T, typename W, int kVec, typename Rows, int kGroup, int kBlocks>
+__global__ void __launch_bounds__(kThreads, kBlocks) moe_down_sum_staged_kernel(
     T* __restrict__ out,                 // [T, D]
     const T* __restrict__ act,           // [T, k, I]
     const Rows down,                     // [E, D, I]
@@ -222,12 +223,12 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
   __syncthreads();
   if (row >= hidden) return;
   float sum = 0.f;
-  for (int64_t j0 = 0; j0 < top_k; j0 += kDownGroup) {
-    typename Rows::Row d_row[kDownGroup];  // row `row` of pair (t, j0 + g)'s expert's down
-    bool valid[kDownGroup];  // the same in every lane (one token's ids): shuffles below are safe
-    float part[kDownGroup];
+  for (int64_t j0 = 0; j0 < top_k; j0 += kGroup) {
+    typename Rows::Row d_row[kGroup];  // row `row` of pair (t, j0 + g)'s expert's down
+    bool valid[kGroup];  // the same in every lane (one token's ids): shuffles below are safe
+    float part[kGroup];
 #pragma unroll
-    for (int g = 0; g < kDownGroup; ++g) {
+    for (int g = 0; g < kGroup; ++g) {
       const int64_t j = j0 + g;
       const int64_t e = j < top_k ? ids[t * top_k + j] : -1;
       valid[g] = e >= 0 && e < num_experts;
@@ -236,15 +237,15 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
     }
     const V* a_base = staged + j0 * vecs;  // act of pair (t, j0 + g) at a_base + g * vecs
     for (int i = threadIdx.x % 32; i < vecs; i += 32) {
-      V d[kDownGroup];
+      V d[kGroup];
 #pragma unroll
-      for (int g = 0; g < kDownGroup; ++g) {
+      for (int g = 0; g < kGroup; ++g) {
         if (valid[g]) d[g] = down.template load<true>(d_row[g], i);
       }
       // act from shared memory one expert at a time, as its products are taken: only the
       // weights' registers stay live across the loads' latency.
 #pragma unroll
-      for (int g = 0; g < kDownGroup; ++g) {
+      for (int g = 0; g < kGroup; ++g) {
         if (valid[g]) {
           const V a = a_base[g * vecs + i];
 #pragma unroll
@@ -252,10 +253,25 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_sum_staged_kernel(
         }
       }
     }
-    sum = add_weighted<T, W>(sum, part, valid, weights + t * top_k + j0);
+    sum = add_weighted<T, W, kGroup>(sum, part, valid, weights + t * top_k + j0);
   }
   if (threadIdx.x % 32 == 0) out[t * hidden + row] = from_float<T>(sum);
 }
+
+// Blocks an SM of the staged kernel reading 4 experts side by side instead of 8, for grids past
+// one wave (2 or more tokens: Qwen3-30B-A3B at batch 8 is 2048 blocks, ~8 waves at 2 an SM; the
+// H200 profile of session 39 had the int4 down at 106 us a layer there against bf16's 73): with
+// half the experts' registers, 3 blocks of quantized rows (68-76 registers on sm_90) or 4 of dense
+// ones (64) fit an SM without spills. Each expert's products and their sum keep their order, so
+// the results are the 8-expert kernel's, bit for bit.
+template <typename Rows>
+struct StagedDownBlocks {
+  static constexpr int value = 3;
+};
+template <typename T, int kVec>
+struct StagedDownBlocks<DenseRows<T, kVec>> {
+  static constexpr int value = 4;
+};
 
 // The staged kernel's shared memory stays within the default 48 KB (no opt-in attribute): k * I
 // bf16 of Qwen3-30B-A3B (8 x 768) is 12 KB, Mixtral's (2 x 14336) 56 KB takes the default kernel.
@@ -287,9 +303,15 @@ cudaError_t launch_down_sum(void* out, const void* act, const Rows& down, const 
     auto* w = static_cast<const W*>(weights);
     if constexpr (kVec == 16 / sizeof(T)) {
       const size_t staged_bytes = static_cast<size_t>(top_k * intermediate) * sizeof(T);
+      if (staged_bytes <= kStagedMaxBytes && num_tokens > 1) {  // past one wave: more blocks an SM
+        return launch_dependent(moe_down_sum_staged_kernel<T, W, kVec, Rows, 4, StagedDownBlocks<Rows>::value>,
+                                grid, kThreads, staged_bytes, stream, o, a, down, expert_ids, w, top_k,
+                                num_experts, hidden, intermediate);
+      }
       if (staged_bytes <= kStagedMaxBytes) {
-        return launch_dependent(moe_down_sum_staged_kernel<T, W, kVec, Rows>, grid, kThreads, staged_bytes,
-                                stream, o, a, down, expert_ids, w, top_k, num_experts, hidden, intermediate);
+        return launch_dependent(moe_down_sum_staged_kernel<T, W, kVec, Rows, kDownGroup, 2>, grid, kThreads,
+                                staged_bytes, stream, o, a, down, expert_ids, w, top_k, num_experts, hidden,
+                                intermediate);
       }
     }
     return launch_dependent(moe_down_sum_kernel<T, W, kVec, Rows>, grid, kThreads, 0, stream, o, a, down,
