@@ -6,7 +6,7 @@ pagedkv.tools.baselines.StaticCacheDecoder, its linears swapped for torchao's; L
 like the checkpoints'), and pagedkv bf16; ms per step, % of each row's roofline, the issue's goals.
 
     python benchmarks/bench_quantized.py [--formats fp8,int4,nf4] [--batches 1,8,32]  (also int8, int4-torchao)
-        [--torchao-batches 1,8] [--layers 28] [--new 128] [--hf-new 16] [--out DIR] [--small] [--no-hf]
+        [--torchao-batches 1,8|none] [--layers 28] [--new 128] [--hf-new 16] [--out DIR] [--small] [--no-hf]
 
 Each checkpoint is written from the bf16 model's random weights in the format's exact on-disk
 tensors (benchmarks/quantized_w1.py), to a temp folder deleted after its rows. Per-step time as
@@ -126,12 +126,22 @@ def reason(error: BaseException) -> str:
     return f"n/a: {type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
 
 
+def parse_batches(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    try:
+        batches = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        parser.error(f"{option} takes positive batch sizes joined by commas (e.g. 1,8), got {text!r}")
+    return batches
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--formats", default="fp8,int4,nf4")
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--torchao-batches", default="1,8")
+    parser.add_argument("--torchao-batches", default="1,8", help="batches of the torchao rows; none: no torchao row")
     parser.add_argument("--layers", type=int, default=28, help="decoder layers of W1 (28: the real shape)")
     parser.add_argument("--new", type=int, default=NEW, help="new tokens a timed pagedkv / torchao generate makes")
     parser.add_argument("--hf-new", type=int, default=16, help="new tokens a timed HF generate makes")
@@ -145,8 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         parser.error(f"--formats: {unknown} unknown; choose from {', '.join(FORMATS)}")
-    batches = [int(b) for b in args.batches.split(",")]
-    torchao_batches = [] if small else [int(b) for b in args.torchao_batches.split(",") if b]
+    batches = parse_batches(parser, "--batches", args.batches)
+    no_torchao = args.torchao_batches.strip().lower() == "none"
+    torchao_batches = [] if no_torchao else parse_batches(parser, "--torchao-batches", args.torchao_batches)
+    torchao_batches = [] if small else torchao_batches
     started, phases = time.perf_counter(), {}
     copy_gbs = copy_bandwidth_gbs(device) if device == "cuda" else 10.0  # CPU: a nominal figure
     dtype = torch.float32 if small else torch.bfloat16

@@ -41,6 +41,13 @@ def test_small_run_has_a_row_per_format(tmp_path):
     assert (tmp_path / "bench_quantized.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("option,value", [("--batches", "0"), ("--batches", "1,x"), ("--torchao-batches", "''")])
+def test_bad_batches_are_named(option, value, capsys):
+    with pytest.raises(SystemExit):
+        bench_quantized.main([option, value, "--device", "cpu"])
+    assert f"{option} takes positive batch sizes joined by commas (e.g. 1,8), got {value!r}" in capsys.readouterr().err
+
+
 def dequantized(folder: pathlib.Path, key: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """Every tensor of the written checkpoint, each decoder linear's weight as its format's own
     formula reads it back from the files (fp32). shapes: the model's parameter shapes (torchao
