@@ -138,6 +138,25 @@ def test_linear_fp8_weight(device, dtype, block, in_features, out_features, rows
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_every_e4m3_value_exactly(device, dtype, rows):
+    """Each of the 254 finite e4m3 codes (subnormals, both zeros, +-448) comes out of the product
+    exactly: W[j, c] = code[(j + c) % 254] under a scale of 1, x rows one-hot, so out[i, j] is one
+    weight times 1 plus zeros, exact in any accumulation and in x's dtype (e4m3 fits both)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes != 0x7F) & (codes != 0xFF)].view(torch.float8_e4m3fn)  # [254]
+    n, k = 256, 256
+    index = (torch.arange(n).unsqueeze(1) + torch.arange(k).unsqueeze(0)) % codes.numel()
+    layer = Fp8Weight(codes[index].contiguous().to(device), torch.ones(1, 1, device=device), (n, k))
+    x = torch.zeros(rows, k, dtype=dtype, device=device)
+    x[torch.arange(rows), torch.arange(rows) * 31] = 1  # row i picks column 31 i
+    out = linear_fp8(x, layer)
+    expected = codes[index[:, torch.arange(rows) * 31].T].to(dtype)  # [rows, n]
+    assert torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 8])
 def test_per_channel_and_unstreamable_shapes(device, dtype, rows):
     """Per-channel scales (compressed-tensors), and shapes the CUDA GEMV does not take (in not a

@@ -67,6 +67,23 @@ def test_linear_int8(device, dtype, in_features, out_features, rows):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_every_int8_value_exactly(device, dtype, rows):
+    """Each int8 value -128..127 comes out of the product exactly: q[j, c] = (j + c) % 256 - 128
+    under scb = 127 (a row scale of 1), x rows one-hot, so out[i, j] is one value times 1 plus
+    zeros, exact in any accumulation and in x's dtype."""
+    n, k = 256, 256
+    q = ((torch.arange(n).unsqueeze(1) + torch.arange(k).unsqueeze(0)) % 256 - 128).to(torch.int8)
+    layer = Int8Weight(q=q.to(device), scb=torch.full((n,), 127.0, device=device))
+    x = torch.zeros(rows, k, dtype=dtype, device=device)
+    x[torch.arange(rows), torch.arange(rows) * 31] = 1  # row i picks column 31 i
+    out = linear_int8_weight(x, layer)
+    expected = dequantize_int8(layer).cpu()[:, torch.arange(rows) * 31].T.to(dtype)  # [rows, n]
+    assert torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [1, 8])
 def test_leading_dims_and_strided_rows(device, rows):
     """x [2, rows, k] keeps its leading dims; x a column slice of a wider buffer (row stride 136)."""
