@@ -2,7 +2,11 @@
 comes at a near tie: pagedkv, HF's own quantized forward (bitsandbytes / compressed-tensors), and
 HF eager on the weights the format's own package dequantizes (the reference both should follow).
 
-    python lab/quant_agreement.py [--format nf4] [--layers 4] [--new 16] [--batch 4]
+    python lab/quant_agreement.py [--format nf4|int4|int8] [--layers 4] [--new 16] [--batch 4]
+
+int8 (LLM.int8): HF's forward quantizes the activations too (outlier columns above the threshold
+6.0 kept in fp16), pagedkv's does not, so their partings need not be near ties; the dequantized
+reference says which one follows the weights.
 
 Why: bench_quantized.py found HF's NF4 rows parting from pagedkv's at step 0 of 16 (int4: 15 of 16
 equal, then 6 of 16 once the int4 kernel's split-k order changed in session 31). This says whether pagedkv follows the dequantized weights (then HF's bitsandbytes forward is
@@ -27,16 +31,20 @@ from bench_quantized import build_model  # noqa: E402
 from quantized_w1 import FORMATS, LINEARS, write_checkpoint  # noqa: E402
 
 import pagedkv  # noqa: E402
-from pagedkv.quant import dequantize, from_compressed_tensors_int4  # noqa: E402
+from pagedkv.quant import Int8Weight, dequantize, dequantize_int8, from_compressed_tensors_int4  # noqa: E402
 
 
 def dequantized_weight(module, stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """The bf16 weight of a quantized HF linear: bitsandbytes' own dequantization for NF4; for
+    LLM.int8, int8 * SCB / 127 (bitsandbytes' int8_vectorwise_dequant, pagedkv.quant's form); for
     compressed-tensors int4, (stored - 8) * scale rounded once to bf16, as the format defines it,
     from the checkpoint's tensors (`stored`, keys `name` + ".weight_packed" ...)."""
     if type(module).__name__ == "Linear4bit":
         import bitsandbytes.functional as bnb
         return bnb.dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.bfloat16)
+    if type(module).__name__ == "Linear8bitLt":
+        layer = Int8Weight(q=module.weight.data, scb=module.weight.SCB.float())
+        return dequantize_int8(layer).to(torch.bfloat16)
     if name + ".weight_packed" in stored:
         w = from_compressed_tensors_int4(stored[name + ".weight_packed"], stored[name + ".weight_scale"],
                                          stored[name + ".weight_shape"], 128)
@@ -63,7 +71,7 @@ def first_parting(a: torch.Tensor, b: torch.Tensor, logits: list[torch.Tensor] |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--format", choices=("nf4", "int4"), default="nf4")
+    parser.add_argument("--format", choices=("nf4", "int4", "int8"), default="nf4")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4)
