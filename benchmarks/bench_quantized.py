@@ -34,7 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_generate import W1, PROMPT, describe_agreement, first_differences, per_step_ms  # noqa: E402
+from bench_generate import W1, PROMPT, describe_agreement, first_differences, per_step_ms, seconds  # noqa: E402
 from quantized_w1 import FORMATS, write_checkpoint  # noqa: E402
 from report import markdown_table, save_bar_plot, save_table  # noqa: E402
 from timing import copy_bandwidth_gbs  # noqa: E402
@@ -146,6 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new", type=int, default=NEW, help="new tokens a timed pagedkv / torchao generate makes")
     parser.add_argument("--hf-new", type=int, default=16, help="new tokens a timed HF generate makes")
     parser.add_argument("--no-hf", action="store_true", help="leave HF's quantized rows out")
+    parser.add_argument("--hf-budget", type=float, default=240.0,
+                        help="seconds a format's HF rows may take, estimated from one warm 2-token generate; over it "
+                             "they print n/a (bitsandbytes' LLM.int8 forward on random W1 weights ran past 5 "
+                             "minutes on an H200)")
     parser.add_argument("--tmp", default=None, help="where the checkpoints are written (default: the temp dir)")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -232,6 +236,13 @@ def main(argv: list[str] | None = None) -> None:
                 hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=device).eval()
                 hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
                 hf_gen = lambda ids, n: hf.generate(ids, max_new_tokens=n, do_sample=False)  # noqa: E731
+                hf_gen(prompts[b0], 1)  # warm-up: the first call's one-time costs are no estimate
+                probe = seconds(lambda: hf_gen(prompts[b0], 2), device, repeats=1)
+                # per batch, per_step_ms runs 4 generates of 1 + N tokens and 3 of 1; then one of N
+                estimate = probe / 2 * (len(batches) * (4 * (1 + args.hf_new) + 3) + args.hf_new)
+                if estimate > args.hf_budget:
+                    raise TimeoutError(f"a 2-token generate took {probe:.1f} s, so its rows would take "
+                                       f"~{estimate:.0f} s, over --hf-budget {args.hf_budget:.0f} s")
                 timed(f"HF {key}", hf_gen, args.hf_new)
                 theirs = hf_gen(prompts[b0], args.hf_new)[:, PROMPT:].cpu()
                 notes.append(f"{key}, batch {b0}: " + describe_agreement(
