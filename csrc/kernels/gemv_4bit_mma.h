@@ -25,7 +25,7 @@ cudaError_t gemv_nf4_mma(void* out, const void* x, int64_t x_stride, const uint8
                          const float* absmax, const float* code, int m, int n, int k,
                          int block_size, int num_sms, DType dtype, cudaStream_t stream);
 
-// PAGEDKV_QUANT_MMA=0 sends every row count of int4, NF4 and FP8 weights to the CUDA-core
+// PAGEDKV_QUANT_MMA=0 sends every row count of int4, NF4, FP8 and int8 weights to the CUDA-core
 // kernels (an A/B switch, read once per process).
 bool quant_mma_enabled();
 
