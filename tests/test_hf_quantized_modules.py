@@ -164,6 +164,36 @@ def test_bnb_int8_model_runs_as_its_checkpoint(tmp_path):
     assert hf._pagedkv_model is not state
 
 
+def test_bnb_int8_model_runs_after_its_own_forward(tmp_path):
+    """bitsandbytes' first forward moves a Linear8bitLt's SCB from its weight to its state
+    (init_8bit_state): a model HF already generated with is still LLM.int8 to pagedkv, which
+    gives the tokens it gave before that forward, and held weights stay valid across it."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama").save_pretrained(tmp_path)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(
+            load_in_8bit=True), device_map="cpu", dtype=torch.float32)
+
+    held = load()
+    before = pagedkv.generate(held, ids(), **GREEDY)
+    state = held._pagedkv_model
+    held.generate(ids(), **GREEDY)  # HF's own LLM.int8 forward, after pagedkv read the weights
+    assert torch.equal(pagedkv.generate(held, ids(), **GREEDY), before)
+    assert held._pagedkv_model is state  # the same tensors, only moved: nothing read again
+    hf = load()
+    hf.generate(ids(), **GREEDY)  # before pagedkv ever saw it
+    assert hf.model.layers[0].self_attn.q_proj.weight.SCB is None  # moved to the state
+    assert pagedkv.unsupported_reason(hf) is None
+    assert torch.equal(pagedkv.generate(hf, ids(), **GREEDY), before)
+    state = hf._pagedkv_model
+    hf.model.layers[0].mlp.down_proj.state.SCB.mul_(4)  # where SCB now lives: a write is seen
+    pagedkv.generate(hf, ids(), **GREEDY)
+    assert hf._pagedkv_model is not state
+
+
 @pytest.mark.parametrize("quant, names", [
     (dict(load_in_8bit=True, llm_int8_has_fp16_weight=True), ["Linear8bitLt", "llm_int8_has_fp16_weight"]),
     (dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"), ["Linear4bit", "bnb_4bit_quant_type='fp4'"]),
