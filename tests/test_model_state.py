@@ -1,8 +1,9 @@
 """Changes to a model after pagedkv ran it: generate() takes the weights again (a new tensor, a
 new dtype or device, a replaced module, a resized vocabulary) or sees them in place (the fused
 weights are views of HF's); an existing LLM and a tensor-parallel shard refuse a changed model;
-adapter wrappers are refused up front; copies (deepcopy, pickle, torch.save) carry no pagedkv
-state and run on their own weights. Tokens are compared with HF's generate on the same model."""
+adapter wrappers are refused up front, a torch.compile wrapper runs its original; copies (deepcopy,
+pickle, torch.save) carry no pagedkv state and run on their own weights. Tokens are compared with
+HF's generate on the same model."""
 
 from __future__ import annotations
 
@@ -213,6 +214,26 @@ def test_adapter_wrappers_are_refused(run_first):
         pagedkv.patch(model)
     attn.q_proj = base  # merged or removed: runs again
     assert_matches_hf(model)
+
+
+def test_a_torch_compile_wrapper_runs_its_original():
+    """torch.compile(model) (an OptimizedModule forwarding HF's attributes) is its original to
+    every entry point, as to HF's generate: pagedkv runs the weights with its own kernels, never
+    the compiled forward, and keeps its state on the original."""
+    model = tiny_model("llama")
+    expected = hf_tokens(model)
+    compiled = torch.compile(model)
+    assert pagedkv.supports(compiled) and pagedkv.support_path(compiled) == "native"
+    assert torch.equal(paged_tokens(compiled), expected)
+    assert hasattr(model, PREPARED_ATTR) and pagedkv.kv_cache_of(compiled) is pagedkv.kv_cache_of(model)
+    ids, mask = batch("cpu")
+    pagedkv.patch(compiled)
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0), expected)
+    pagedkv.unpatch(compiled)
+    assert compiled.generate.__func__ is type(model).generate  # HF's again
+    llm = LLM(compiled, num_kv_blocks=16)
+    assert llm.model is model and llm_tokens(llm) == expected[:, ids.shape[1]:].tolist()
 
 
 # -- an existing pagedkv.LLM --------------------------------------------------------------------

@@ -10,12 +10,15 @@ from typing import Mapping, Sequence
 
 import torch
 
+from pagedkv.models.registry import compiled_original
+
 Prompt = str | Sequence[int] | Mapping[str, object]
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def load_model(model, tokenizer, dtype):
-    """(model in eval mode, tokenizer): model and tokenizer may be names for from_pretrained."""
+    """(model in eval mode, tokenizer): model and tokenizer may be names for from_pretrained; a
+    torch.compile wrapper gives its original (pagedkv runs the weights, not the compiled forward)."""
     if isinstance(model, str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,7 +32,7 @@ def load_model(model, tokenizer, dtype):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-    return model.eval(), tokenizer
+    return compiled_original(model).eval(), tokenizer
 
 
 def prompt_token_ids(prompt) -> list[int]:

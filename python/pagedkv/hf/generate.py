@@ -20,7 +20,7 @@ from pagedkv.cache.kv_dtype import kv_cache_options
 from pagedkv.hf import arguments, beam_search
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument, resolve_generation
 from pagedkv.hf.processing import CallArguments, processed_decode
-from pagedkv.models.registry import check_supported
+from pagedkv.models.registry import check_supported, compiled_original
 from pagedkv.runtime.draft_model import SCHEDULES, DraftRefused, check_draft, drafting
 from pagedkv.runtime.fixed_batch import FixedBatch, GenerationSettings
 from pagedkv.runtime.model import PREPARED_ATTR, device_of, prepared
@@ -129,6 +129,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None, atte
     per layer from kv_cache_scales: None = the checkpoint's k_scale/v_scale if any, else 1.0;
     "calibrate" = amax over this call's prompts / 448; or a list of (k_scale, v_scale) per layer;
     see pagedkv/cache/kv_dtype.py and docs/limits.md). Not with beams, tensor parallel or fallback models."""
+    model = compiled_original(model)  # torch.compile(model): pagedkv runs the original's weights
     with torch.inference_mode():
         new_tokens, settings, outputs = _generate(model, input_ids, attention_mask, generation_config,
                                                   streamer, use_cuda_graphs, kwargs)  # [B, N]
@@ -255,5 +256,5 @@ def kv_cache_of(model) -> KVCache | None:
     """The KV cache generate() runs `model` on (None before its first call). Between calls it
     holds no sequence; its blocks are free or cached (earlier calls' K/V, evictable: handed out
     when a call needs them), so ``cache.num_free_blocks == cache.num_blocks``."""
-    state = getattr(model, PREPARED_ATTR, None)
+    state = getattr(compiled_original(model), PREPARED_ATTR, None)
     return None if state is None or state.fixed_batch is None else state.fixed_batch.cache

@@ -8,7 +8,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from pagedkv.hf.generate import generate
-from pagedkv.models.registry import check_supported
+from pagedkv.models.registry import check_supported, compiled_original
 
 M = TypeVar("M", bound=torch.nn.Module)
 
@@ -18,8 +18,9 @@ _COPIED = ("__module__", "__name__", "__qualname__", "__doc__")
 
 
 def patch(model: M, use_cuda_graphs: bool | None = None) -> M:
-    """Make ``model.generate`` run on pagedkv (same arguments). Returns the model."""
-    check_supported(model)
+    """Make ``model.generate`` run on pagedkv (same arguments). Returns the model. A torch.compile
+    wrapper is patched as it is and runs its original's weights."""
+    check_supported(compiled_original(model))
     if getattr(model, "_pagedkv_original_generate", None) is None:
         model._pagedkv_original_generate = model.generate
     model.generate = PatchedGenerate(model, use_cuda_graphs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Literal
 
 import torch
@@ -79,10 +80,22 @@ class UnsupportedModel(ValueError):
     """The model (architecture, attention variant, dtype, placement) is not one pagedkv runs."""
 
 
+def compiled_original(model):
+    """The module torch.compile wrapped, for a wrapper (torch.compile(model), an OptimizedModule,
+    forwards HF's attributes and generate to it), else `model`. pagedkv runs the weights with its
+    own kernels and CUDA graphs, never the compiled forward, so a compiled model is its original
+    to every entry point (generate, patch, LLM, tensor_parallel, supports)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported wherever a wrapper exists
+    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
 def unsupported_reason(model, placement: bool = True) -> str | None:
     """None if pagedkv can run `model`, else a sentence saying what is not supported.
     placement=False leaves out where the parameters are (a skeleton on the meta device whose
     shards are read from a checkpoint, models/checkpoint_shards.py)."""
+    model = compiled_original(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type in FALLBACK_MODEL_TYPES:

@@ -273,6 +273,7 @@ def tensor_parallel(model: M, group: dist.ProcessGroup | None = None,
     reader: read this rank's shard through it (models/checkpoint_shards.py) instead of taking it
     from the model, then an empty skeleton on the meta device (checkpoint_shards.empty_model):
     what tensor_parallel_from_pretrained does with a checkpoint, a benchmark with random values."""
+    given, model = model, registry.compiled_original(model)  # a torch.compile wrapper: its original
     check_supported(model, placement=reader is None)
     if model.config.model_type in registry.FALLBACK_MODEL_TYPES:  # read at call time (tests extend it)
         raise UnsupportedModel(f"pagedkv.tensor_parallel: model_type {model.config.model_type!r} runs by "
@@ -326,7 +327,7 @@ def tensor_parallel(model: M, group: dist.ProcessGroup | None = None,
     setattr(model, PREPARED_ATTR, PreparedModel.of(model, tp, reader))
     if reader is not None:
         model.register_forward_pre_hook(_skeleton_forward)
-    return model
+    return given
 
 
 def tensor_parallel_from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
