@@ -24,6 +24,7 @@ from models import tiny_model
 
 MAX_NEW = 8
 PROMPTS = ([5, 17, 9, 100, 3, 44], [200, 31, 7])
+PAD_WIDTH = max(len(p) for p in PROMPTS)  # batch()'s rows, left-padded to the longest
 
 
 def batch(device, vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +234,28 @@ def test_a_torch_compile_wrapper_runs_its_original():
     pagedkv.unpatch(compiled)
     assert compiled.generate.__func__ is type(model).generate  # HF's again
     llm = LLM(compiled, num_kv_blocks=16)
-    assert llm.model is model and llm_tokens(llm) == expected[:, ids.shape[1]:].tolist()
+    assert llm.model is model and llm_tokens(llm) == expected[:, PAD_WIDTH:].tolist()
+
+
+def test_training_mode_with_dropout_is_refused():
+    """HF's generate does not call eval(): in training mode with a dropout above 0 its tokens are
+    random, and pagedkv (which never drops) says so instead of giving other ones; in training mode
+    without dropout (Llama's default) nothing differs and it runs; eval() runs again."""
+    model = tiny_model("llama")
+    llm = LLM(model, num_kv_blocks=16)  # (which puts the model in eval mode)
+    model.train()
+    expected = hf_tokens(model)  # attention_dropout 0.0: training mode changes nothing
+    assert torch.equal(paged_tokens(model), expected)
+    for attention in (layer(model, i).self_attn for i in range(len(model.model.layers))):
+        attention.attention_dropout = 0.5
+    with pytest.raises(ValueError, match=r"training mode with dropout at model.layers.0.self_attn "
+                                         r"\(LlamaAttention, p=0.5\).*call model.eval\(\)"):
+        paged_tokens(model)
+    with pytest.raises(ValueError, match=r"pagedkv.LLM: the model is in training mode.*nothing was queued"):
+        llm_tokens(llm)
+    model.eval()
+    assert torch.equal(paged_tokens(model), expected)
+    assert llm_tokens(llm) == expected[:, PAD_WIDTH:].tolist()
 
 
 # -- an existing pagedkv.LLM --------------------------------------------------------------------

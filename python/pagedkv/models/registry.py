@@ -91,6 +91,25 @@ def compiled_original(model):
     return model
 
 
+def training_dropout(model) -> str | None:
+    """Where `model` would drop activations at random, else None: a module in training mode with
+    a dropout probability above 0 (an nn.Dropout, or the float `attention_dropout` / `dropout`
+    HF's attention modules pass to their kernels while training). HF's generate does not call
+    eval(), so there its greedy tokens are random; pagedkv, an inference engine, never drops,
+    and says so rather than give other tokens."""
+    for name, module in compiled_original(model).named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            p = module.p
+        else:
+            p = next((v for a in ("attention_dropout", "dropout") if isinstance(v := getattr(module, a, None), float)
+                      and v > 0), 0.0)
+        if p > 0:
+            return f"{name or 'the model'} ({type(module).__name__}, p={p:g})"
+    return None
+
+
 def unsupported_reason(model, placement: bool = True) -> str | None:
     """None if pagedkv can run `model`, else a sentence saying what is not supported.
     placement=False leaves out where the parameters are (a skeleton on the meta device whose
