@@ -46,6 +46,8 @@ def test_generation_config_object(model):
     (dict(guidance_scale=2.0), r"guidance_scale=2.0 is not supported"),
     (dict(output_attentions=True), r"unsupported argument\(s\) \[.output_attentions.\]"),
     (dict(not_an_argument=1), r"unsupported argument\(s\) \['not_an_argument'\]"),
+    (dict(use_cache=False), r"use_cache=False is not supported; allowed: True \(pagedkv always decodes from its "
+                            r"paged KV cache, whose tokens are the ones HF gives without a cache"),
 ])
 def test_unsupported_settings_are_named(model, kwargs, match):
     with pytest.raises(UnsupportedGenerationArgument, match=match):

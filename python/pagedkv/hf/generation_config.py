@@ -45,8 +45,9 @@ SUPPORTED_FIELDS = PROCESSED_FIELDS | frozenset({
 USER_SETTINGS = sorted(SUPPORTED_FIELDS - {"transformers_version", "_from_model_config",
                                            "cache_implementation", "disable_compile",
                                            "compile_config", "use_cache"})
-# Fields whose only accepted value is HF's default (checked above for everything else).
-_MUST_BE = {"use_cache": True}
+# Fields whose only accepted value is HF's default (checked above for everything else), and why.
+_MUST_BE = {"use_cache": (True, "pagedkv always decodes from its paged KV cache, whose tokens are the ones HF "
+                                "gives without a cache (up to rounding); drop use_cache=False")}
 # Settings read below, in the forms arguments.py takes.
 _VALUE_FIELDS = arguments.INTEGER_FIELDS + arguments.REAL_FIELDS + arguments.FLAG_FIELDS + ("eos_token_id",)
 
@@ -98,9 +99,10 @@ def _check_fields(config: GenerationConfig) -> None:
     defaults = _global_defaults()
     for name, value in config.to_dict().items():
         default = defaults.get(name)
-        if name in _MUST_BE and value is not None and not _equal(value, _MUST_BE[name]):
+        if name in _MUST_BE and value is not None and not _equal(value, _MUST_BE[name][0]):
+            allowed, why = _MUST_BE[name]
             raise UnsupportedGenerationArgument(
-                f"pagedkv.generate: {name}={value!r} is not supported; allowed: {_MUST_BE[name]!r}")
+                f"pagedkv.generate: {name}={value!r} is not supported; allowed: {allowed!r} ({why})")
         if name not in SUPPORTED_FIELDS and not is_off(value, default):
             raise UnsupportedGenerationArgument(
                 f"pagedkv.generate: generation setting {name}={value!r} is not supported "
