@@ -97,17 +97,19 @@ def training_dropout(model) -> str | None:
     HF's attention modules pass to their kernels while training). HF's generate does not call
     eval(), so there its greedy tokens are random; pagedkv, an inference engine, never drops,
     and says so rather than give other tokens."""
-    for name, module in compiled_original(model).named_modules():
-        if not module.training:
-            continue
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            p = module.p
-        else:
-            p = next((v for a in ("attention_dropout", "dropout") if isinstance(v := getattr(module, a, None), float)
-                      and v > 0), 0.0)
-        if p > 0:
+    model = compiled_original(model)
+    for module in model.modules():  # a walk like weights_version's (per call, not per step); names on a hit
+        if module.training and (p := _dropout_p(module)) > 0:
+            name = next(n for n, m in model.named_modules() if m is module)
             return f"{name or 'the model'} ({type(module).__name__}, p={p:g})"
     return None
+
+
+def _dropout_p(module: nn.Module) -> float:
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p
+    return next((v for a in ("attention_dropout", "dropout") if isinstance(v := getattr(module, a, None), float)
+                 and v > 0), 0.0)
 
 
 def unsupported_reason(model, placement: bool = True) -> str | None:
