@@ -54,25 +54,26 @@ __device__ __forceinline__ void warp_dots(const T* __restrict__ a, const Rows& g
   }
 }
 
+// Whether the expert rows are stored dense (the model's dtype) rather than quantized: the launch
+// shapes below differ by it.
+template <typename Rows>
+inline constexpr bool kDenseRows = false;
+template <typename T, int kVec>
+inline constexpr bool kDenseRows<DenseRows<T, kVec>> = true;
+
 // Output rows a warp of the gate/up kernel computes: 2 for the quantized formats, whose warps read
 // 4-8x fewer bytes a row than bf16 (at batch 1 on Qwen3-30B-A3B one row a warp is 768 blocks of
 // short warps at 4-5 blocks an SM: two waves, latency-bound at ~17 us a layer whatever the format,
 // session 38); 1 for dense rows, at ~89% of copy bandwidth as they are.
 template <typename Rows>
-struct GateUpRowsAWarp {
-  static constexpr int value = 2;
-};
-template <typename T, int kVec>
-struct GateUpRowsAWarp<DenseRows<T, kVec>> {
-  static constexpr int value = 1;
-};
+inline constexpr int kGateUpRowsAWarp = kDenseRows<Rows> ? 1 : 2;
 
 // grid: (T * k pairs, ceil(I / (kWarps kOut))); warp w of block (p, b) computes out[p, r] for the
 // kOut rows r from (b * kWarps + w) * kOut.
 // Expert e's gate row r is gate_up's row (e, r), its up row (e, up_first + r): one [E, 2I, D]
 // stack (dense, up_first = I) or the gate and up of a quantized checkpoint ([E, I, D] each in
 // one Rows whose rows run over both: up_first = 0 with `up` its own Rows).
-template <typename T, int kVec, typename Rows, int kOut = GateUpRowsAWarp<Rows>::value>
+template <typename T, int kVec, typename Rows, int kOut = kGateUpRowsAWarp<Rows>>
 __global__ void __launch_bounds__(kThreads) moe_gate_up_silu_kernel(
     T* __restrict__ out,                 // [T, k, I]
     const T* __restrict__ x,             // [T, D]
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_sum_kernel(
 // products are taken, the weights come through streaming loads after an L2 prefetch issued
 // before the staging, and __launch_bounds__(.., kBlocks = 2) holds it under 128 registers (118 on
 // sm_90, no spills): one wave of 16 warps an SM (kGroup = kDownGroup experts side by side; larger
-// grids take StagedDownBlocks, below). The same products in the same order: bit for bit the
+// grids take kStagedDownBlocks, below). The same products in the same order: bit for bit the
 // default kernel's results. 16-byte act vectors only; shared memory: k * I * sizeof(T) bytes.
 template <typename T, typename W, int kVec, typename Rows, int kGroup, int kBlocks>
 __global__ void __launch_bounds__(kThreads, kBlocks) moe_down_sum_staged_kernel(
@@ -265,13 +266,7 @@ __global__ void __launch_bounds__(kThreads, kBlocks) moe_down_sum_staged_kernel(
 // ones (64) fit an SM without spills. Each expert's products and their sum keep their order, so
 // the results are the 8-expert kernel's, bit for bit.
 template <typename Rows>
-struct StagedDownBlocks {
-  static constexpr int value = 3;
-};
-template <typename T, int kVec>
-struct StagedDownBlocks<DenseRows<T, kVec>> {
-  static constexpr int value = 4;
-};
+inline constexpr int kStagedDownBlocks = kDenseRows<Rows> ? 4 : 3;
 
 // The staged kernel's shared memory stays within the default 48 KB (no opt-in attribute): k * I
 // bf16 of Qwen3-30B-A3B (8 x 768) is 12 KB, Mixtral's (2 x 14336) 56 KB takes the default kernel.
@@ -283,7 +278,7 @@ template <typename T, int kVec, typename Rows>
 cudaError_t launch_gate_up_silu(void* out, const void* x, const Rows& gate, const Rows& up, int64_t up_first,
                                 const int64_t* expert_ids, int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                 int64_t hidden, int64_t intermediate, cudaStream_t stream) {
-  constexpr int kOut = GateUpRowsAWarp<Rows>::value;
+  constexpr int kOut = kGateUpRowsAWarp<Rows>;
   const dim3 grid(static_cast<unsigned>(num_tokens * top_k), blocks_for((intermediate + kOut - 1) / kOut));
   return launch_dependent(moe_gate_up_silu_kernel<T, kVec, Rows>, grid, kThreads, 0, stream, static_cast<T*>(out),
                           static_cast<const T*>(x), gate, up, up_first, expert_ids, top_k, num_experts, hidden,
@@ -304,7 +299,7 @@ cudaError_t launch_down_sum(void* out, const void* act, const Rows& down, const 
     if constexpr (kVec == 16 / sizeof(T)) {
       const size_t staged_bytes = static_cast<size_t>(top_k * intermediate) * sizeof(T);
       if (staged_bytes <= kStagedMaxBytes && num_tokens > 1) {  // past one wave: more blocks an SM
-        return launch_dependent(moe_down_sum_staged_kernel<T, W, kVec, Rows, 4, StagedDownBlocks<Rows>::value>,
+        return launch_dependent(moe_down_sum_staged_kernel<T, W, kVec, Rows, 4, kStagedDownBlocks<Rows>>,
                                 grid, kThreads, staged_bytes, stream, o, a, down, expert_ids, w, top_k,
                                 num_experts, hidden, intermediate);
       }
