@@ -19,7 +19,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompts import Prompt, batch_of
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.models.registry import training_dropout
+from pagedkv.models.registry import check_no_dropout
 from pagedkv.runtime.model import ModelChanged, check_unchanged
 from pagedkv.runtime.prefix_reuse import weights_version
 from pagedkv.runtime.parallel import call_digest
@@ -46,10 +46,7 @@ class BatchAPI:
         ``.data`` are not seen (autograd's version counter): call ``llm.cache.drop_prefix_cache()``.
         About 0.1 ms a call (per batch or add_request, never per step). A model put in training
         mode with an active dropout is refused too (ValueError: pagedkv never drops)."""
-        dropping = training_dropout(self.model)
-        if dropping is not None:
-            raise ValueError(f"pagedkv.LLM: the model is in training mode with dropout at {dropping}; pagedkv "
-                             "runs inference (no dropout): call model.eval(); nothing was queued")
+        check_no_dropout(self.model, "pagedkv.LLM", "; nothing was queued")
         version = weights_version(self.model)
         if version == self._weights_version:
             return

@@ -20,7 +20,7 @@ from pagedkv.cache.kv_dtype import kv_cache_options
 from pagedkv.hf import arguments, beam_search
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument, resolve_generation
 from pagedkv.hf.processing import CallArguments, processed_decode
-from pagedkv.models.registry import check_supported, compiled_original, training_dropout
+from pagedkv.models.registry import check_no_dropout, check_supported, compiled_original
 from pagedkv.runtime.draft_model import SCHEDULES, DraftRefused, check_draft, drafting
 from pagedkv.runtime.fixed_batch import FixedBatch, GenerationSettings
 from pagedkv.runtime.model import PREPARED_ATTR, device_of, prepared
@@ -150,11 +150,7 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
     besides `sequences` (scores, logits: the processed path's, hf/processed_decode.py). With
     num_beams > 1, HF's whole beam output in place of the new tokens."""
     check_supported(model)
-    dropping = training_dropout(model)
-    if dropping is not None:
-        raise ValueError(f"pagedkv.generate: the model is in training mode with dropout at {dropping}: HF's "
-                         "generate would drop activations at random (it does not call eval()), pagedkv never "
-                         "does; call model.eval() first")
+    check_no_dropout(model, "pagedkv.generate")
     if kwargs.get("inputs_embeds") is not None:
         raise UnsupportedGenerationArgument(
             "pagedkv.generate: inputs_embeds is not supported: pagedkv.generate takes token ids; pass "

@@ -91,18 +91,19 @@ def compiled_original(model):
     return model
 
 
-def training_dropout(model) -> str | None:
-    """Where `model` would drop activations at random, else None: a module in training mode with
-    a dropout probability above 0 (an nn.Dropout, or the float `attention_dropout` / `dropout`
-    HF's attention modules pass to their kernels while training). HF's generate does not call
-    eval(), so there its greedy tokens are random; pagedkv, an inference engine, never drops,
-    and says so rather than give other tokens."""
+def check_no_dropout(model, who: str, suffix: str = "") -> None:
+    """ValueError (from `who`, `suffix` appended) where `model` would drop activations at random: a
+    module in training mode with a dropout probability above 0 (an nn.Dropout, or the float
+    `attention_dropout` / `dropout` HF's attention modules pass to their kernels while training).
+    HF's generate does not call eval(), so there its greedy tokens are random; pagedkv, an
+    inference engine, never drops, and says so rather than give other tokens."""
     model = compiled_original(model)
     for module in model.modules():  # a walk like weights_version's (per call, not per step); names on a hit
         if module.training and (p := _dropout_p(module)) > 0:
             name = next(n for n, m in model.named_modules() if m is module)
-            return f"{name or 'the model'} ({type(module).__name__}, p={p:g})"
-    return None
+            raise ValueError(f"{who}: the model is in training mode with dropout at {name or 'the model'} "
+                             f"({type(module).__name__}, p={p:g}): HF's generate would drop activations at random "
+                             f"(it does not call eval()), pagedkv never does; call model.eval() first{suffix}")
 
 
 def _dropout_p(module: nn.Module) -> float:
