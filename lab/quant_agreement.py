@@ -31,6 +31,7 @@ from bench_quantized import build_model  # noqa: E402
 from quantized_w1 import FORMATS, LINEARS, write_checkpoint  # noqa: E402
 
 import pagedkv  # noqa: E402
+from pagedkv.models.hf_quantized import int8_row_absmax  # noqa: E402
 from pagedkv.quant import Int8Weight, dequantize, dequantize_int8, from_compressed_tensors_int4  # noqa: E402
 
 
@@ -43,7 +44,8 @@ def dequantized_weight(module, stored: dict[str, torch.Tensor], name: str) -> to
         import bitsandbytes.functional as bnb
         return bnb.dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.bfloat16)
     if type(module).__name__ == "Linear8bitLt":
-        layer = Int8Weight(q=module.weight.data, scb=module.weight.SCB.float())
+        # SCB where bitsandbytes keeps it: HF's forward ran above, which moved it to the state
+        layer = Int8Weight(q=module.weight.data, scb=int8_row_absmax(module).float())
         return dequantize_int8(layer).to(torch.bfloat16)
     if name + ".weight_packed" in stored:
         w = from_compressed_tensors_int4(stored[name + ".weight_packed"], stored[name + ".weight_scale"],

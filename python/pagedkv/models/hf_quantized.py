@@ -122,7 +122,7 @@ def quantized_state(model, quantized_types: tuple[str, ...]) -> tuple:
         if _torchao_weight(m) is not None:  # a wrapper of no storage: its inner tensors
             tensors = {f"weight.{k}": getattr(m.weight, k) for k in m.weight.tensor_data_names} | \
                 {k: t for k, t in tensors.items() if k != "weight"}
-        row_absmax = _int8_row_absmax(m)  # LLM.int8's: not a parameter
+        row_absmax = int8_row_absmax(m)  # LLM.int8's: not a parameter
         if isinstance(row_absmax, torch.Tensor):
             tensors["weight.SCB"] = row_absmax
         state = getattr(m._parameters.get("weight"), "quant_state", None)
@@ -180,7 +180,7 @@ def _module_reason(name: str, m: nn.Module, fmt: QuantFormat) -> str | None:
         weight = m._parameters.get("weight")
         if kind.__name__ != "Linear8bitLt" or weight is None or weight.dtype != torch.int8:
             return "LLM.int8 layers must be bitsandbytes' Linear8bitLt with int8 weights (load_in_8bit)"
-        if _int8_row_absmax(m) is None:
+        if int8_row_absmax(m) is None:
             return "it holds no SCB (row absmaxes), on its weight or its state: not quantized yet"
         return None
     if fmt.name == "fp8":
@@ -216,7 +216,7 @@ def _plain(value):
     return value.value if isinstance(value, enum.Enum) else value
 
 
-def _int8_row_absmax(m: nn.Module) -> torch.Tensor | None:
+def int8_row_absmax(m: nn.Module) -> torch.Tensor | None:
     """A Linear8bitLt's SCB: on its weight after quantization (.cuda(), or loading), on its state
     once a forward ran (bitsandbytes' init_8bit_state moves it there and clears the weight's;
     the module's state dict reads either, as here)."""
