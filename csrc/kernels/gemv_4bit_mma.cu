@@ -9,6 +9,8 @@
 // and int4 pairs dequantize with no conversion at all, two values a register in three
 // instructions (half_pairs.cuh's int4_pair).
 // NF4 pairs are two codebook loads from shared memory times the absmax in fp32, rounded once to T.
+// Int4 groups of 128 << j k (Int4GroupStepFormat) go further: a step then lies in one group, so
+// the tensor cores take q - z unscaled and the scale multiplies each step's fp32 sums.
 //
 // Fragment order (as gemv_mma.cu: a dot product's k order is free, so any bijection of k onto the
 // fragment slots that A and B share will do): lane (g = lane / 4, t = lane % 4) loads the 16 bytes
@@ -58,6 +60,43 @@ struct Int4Format {
     const uint32_t hi = s < 2 ? xv.z : xv.w;  // k 8j + s + 4 in word 2 + s / 2
     return __byte_perm(lo, hi, s % 2 == 0 ? 0x5410 : 0x7632);
   }
+};
+
+// Int4Format where every step lies in one group (group_size = 128 << j, AWQ's and GPTQ's usual
+// 128 among them): the group's scale then multiplies the step's fp32 sums (4 FMAs a lane) instead
+// of every weight pair (32 HMUL2s), and the tensor cores take q - z unscaled. bf16 goes one
+// step further: A = M + q straight from the lop3, and the zero enters as one more mma a pair of
+// slices, A = -(M + z) on the same x, in place of 32 HSUB2s a step (8 mma issue slots instead).
+// Nothing is rounded but the fp32 sums, so the result is nearer the exact product than the
+// dequantize-then-multiply reference; what the M + q form costs is cancellation, ~M x 2^-23 of
+// sum |x| a step: ~1.5e-5 for bf16's M = 128, below its 2^-9 weight rounding by 100x. fp16's
+// M = 1024 would lose 8x more, so fp16 subtracts M + z in halves first (exact) and skips the mma.
+template <typename T>
+struct Int4GroupStepFormat {
+  const T* scales;       // [n, groups]
+  const uint8_t* zeros;  // [n, groups]
+  int piece_shift;       // log2(group_size / 32): piece p is in group p >> piece_shift
+
+  struct Piece {
+    static constexpr bool kZeroByMma = std::is_same_v<T, __nv_bfloat16>;
+    uint32_t zero2;  // kZeroByMma: (-(M + z), -(M + z)), the zero mma's A; else (M + z, M + z)
+    float scale;
+    __device__ __forceinline__ uint32_t pair(uint32_t word, int s) const {
+      const uint32_t m_plus_q = lop3_and_or(word >> (4 * s), 0x000F000Fu, Magic<T>::kBits * 0x00010001u);
+      if constexpr (kZeroByMma) {
+        return m_plus_q;
+      } else {
+        return sub2<T>(m_plus_q, zero2);
+      }
+    }
+  };
+  __device__ __forceinline__ Piece piece(int row, int groups, int p) const {
+    const int64_t at = static_cast<int64_t>(row) * groups + (p >> piece_shift);
+    const uint32_t zero2 = magic_zero2<T>(__ldg(zeros + at));
+    return {Piece::kZeroByMma ? zero2 | 0x80008000u : zero2, to_float(scales[at])};
+  }
+  __device__ __forceinline__ int groups(int k) const { return (k / 32) >> piece_shift; }
+  static __device__ __forceinline__ uint32_t x_pair(const uint4& xv, int s) { return Int4Format<T>::x_pair(xv, s); }
 };
 
 // Int4 with a scale and a float zero per group, torchao's tinygemm form: w = (q - 8) * s + z,
@@ -146,6 +185,32 @@ __global__ void __launch_bounds__(kSplit * 32)
   // Piece p of both rows times x. Every lane of the warp takes part in each mma; a lane whose
   // piece lies past k (k % 128 != 0) multiplies zeros of x (a zero word need not dequantize to 0).
   using Piece = typename F::Piece;
+  // Scaled sums (Int4GroupStepFormat): every piece lies inside k (k % 128 == 0), and x rows past
+  // m need no zeroing either: they feed only C columns >= m, which are never stored.
+  const auto multiply_scaled = [&](const uint4& lo, const uint4& hi, int p, const auto& piece_lo,
+                                   const auto& piece_hi) {  // a template: instantiated for F's with scaled sums only
+    const uint32_t lo_words[4] = {lo.x, lo.y, lo.z, lo.w};
+    const uint32_t hi_words[4] = {hi.x, hi.y, hi.z, hi.w};
+    const uint32_t zero_a[4] = {piece_lo.zero2, piece_hi.zero2, piece_lo.zero2, piece_hi.zero2};
+    const uint4* xv_ptr = reinterpret_cast<const uint4*>(x_row + static_cast<int64_t>(p) * 32);
+    float sums[4] = {0.f, 0.f, 0.f, 0.f};  // this step's sum of (q - z) x, one group's
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint4 xv = xv_ptr[j];
+#pragma unroll
+      for (int s = 0; s < 4; s += 2) {
+        const uint32_t a[4] = {piece_lo.pair(lo_words[j], s), piece_hi.pair(hi_words[j], s),
+                               piece_lo.pair(lo_words[j], s + 1), piece_hi.pair(hi_words[j], s + 1)};
+        const uint32_t b0 = F::x_pair(xv, s), b1 = F::x_pair(xv, s + 1);
+        mma16816(sums, a, b0, b1, T{});
+        if constexpr (std::decay_t<decltype(piece_lo)>::kZeroByMma) mma16816(sums, zero_a, b0, b1, T{});
+      }
+    }
+    c[0] = fmaf(piece_lo.scale, sums[0], c[0]);  // C rows g (the lo weight row) and g + 8 (hi)
+    c[1] = fmaf(piece_lo.scale, sums[1], c[1]);
+    c[2] = fmaf(piece_hi.scale, sums[2], c[2]);
+    c[3] = fmaf(piece_hi.scale, sums[3], c[3]);
+  };
   const auto multiply = [&](const uint4& lo, const uint4& hi, int p, const Piece& piece_lo, const Piece& piece_hi) {
     const bool inside = p < pieces;
     const uint32_t mask = inside ? x_mask : 0u;
@@ -186,7 +251,12 @@ __global__ void __launch_bounds__(kSplit * 32)
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      multiply(lo[u], hi[u], 4 * (base + u * kSplit) + t, piece_lo[u], piece_hi[u]);
+      const int step = base + u * kSplit;
+      if constexpr (std::is_same_v<F, Int4GroupStepFormat<T>>) {
+        if (step < steps) multiply_scaled(lo[u], hi[u], 4 * step + t, piece_lo[u], piece_hi[u]);  // warp-uniform
+      } else {
+        multiply(lo[u], hi[u], 4 * step + t, piece_lo[u], piece_hi[u]);
+      }
     }
   }
 
@@ -201,6 +271,8 @@ __global__ void __launch_bounds__(kSplit * 32)
 // 8 warps x 4 steps, larger ones (gate/up) at 8 x 2 (64 registers: 4 CTAs an SM, where 4 steps'
 // 74 allow 3). NF4's codebook lookups make it issue-bound sooner: one step in flight throughout.
 // Int4 with float zeros (torchao) keeps 2 steps past 2 tiles an SM (not measured apart yet).
+// Int4GroupStepFormat: 1 x 16 up to 2 tiles an SM, 2 x 8 past 4 (W1's gate/up: 32.0 -> 28.4 us
+// at 1 row against Int4Format's plan, H200, session 41); 2-4 tiles an SM stay with Int4Format.
 template <template <typename> class F, typename Make>
 cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packed, int m, int n,
                    int k, int num_sms, DType dtype, cudaStream_t stream, Make make_format) {
@@ -218,7 +290,9 @@ cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packe
         return cudaGetLastError();
       };
       if (tiles <= 2 * num_sms) return go.template operator()<1, 16>();
-      if constexpr (std::is_same_v<F<T>, Int4Format<T>>) {
+      if constexpr (std::is_same_v<F<T>, Int4GroupStepFormat<T>>) {
+        return go.template operator()<2, 8>();
+      } else if constexpr (std::is_same_v<F<T>, Int4Format<T>>) {
         if (tiles <= 4 * num_sms) return go.template operator()<4, 8>();
         return go.template operator()<2, 8>();
       } else if constexpr (std::is_same_v<F<T>, Int4OffsetFormat<T>>) {
@@ -244,6 +318,20 @@ cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int
                            const void* scales, const void* zeros, bool float_zeros, int m, int n, int k,
                            int group_size, int num_sms, DType dtype, cudaStream_t stream) {
   if (m > 8 || group_size <= 0 || group_size % 32 != 0 || k % group_size != 0) return cudaErrorInvalidValue;
+  // Scaled sums where each step lies in one group, except for 2-4 tiles an SM (W1's qkv): there
+  // Int4Format's 4 steps in flight fit 3 CTAs an SM (74 registers) where the scaled sums' need 86
+  // and leave a second wave; its 2 steps were slower than Int4Format's 4 too (H200: 7.3 us
+  // against 9.2 and 7.9 at 1 row; lab/measurements.md, session 41).
+  const int pieces_per_group = group_size / 32;
+  const int tiles = (n + 15) / 16;
+  const bool qkv_like = tiles > 2 * num_sms && tiles <= 4 * num_sms;
+  if (!float_zeros && group_size % kStepK == 0 && (pieces_per_group & (pieces_per_group - 1)) == 0 && !qkv_like) {
+    return launch<Int4GroupStepFormat>(out, x, x_stride, packed, m, n, k, num_sms, dtype, stream, [&](auto tag) {
+      using T = decltype(tag);
+      return Int4GroupStepFormat<T>{static_cast<const T*>(scales), static_cast<const uint8_t*>(zeros),
+                                    __builtin_ctz(pieces_per_group)};
+    });
+  }
   if (float_zeros) {
     return launch<Int4OffsetFormat>(out, x, x_stride, packed, m, n, k, num_sms, dtype, stream, [&](auto tag) {
       using T = decltype(tag);
