@@ -5,10 +5,13 @@ at batch B after a prompt of P tokens, from torch.profiler over (1 + N) - 1 new 
 fewer than the real count (the per-layer cost is what matters; the LM head's share grows).
 
     python lab/step_profile.py [--model moe|gemma2|w1] [--layers 8] [--batch 1] [--prompt 128] [--new 32]
-        [--format fp8|int4]
+        [--format fp8|int4] [--drop-norms]
 
 --format: the model written as that format's checkpoint (benchmarks/quantized_w1.py: attention and,
 for the MoE, experts quantized) and loaded back with pagedkv.from_pretrained_quantized.
+--drop-norms: the step without its fused add + RMSNorm kernels (ops.fused_add_rms_norm made a
+no-op: two launches a layer fewer, the tokens no longer the model's): what folding the norms into
+the products around them could save at most, measured rather than summed from kernel times.
 """
 
 from __future__ import annotations
@@ -56,7 +59,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--format", choices=("fp8", "int4"), default=None)
+    parser.add_argument("--drop-norms", action="store_true")
     args = parser.parse_args()
+    if args.drop_norms:  # before the first generate: its graphs are captured without them
+        pagedkv.ops.fused_add_rms_norm = lambda *a, **k: None
     config_cls, shape = {"moe": (Qwen3MoeConfig, QWEN3_30B_A3B), "gemma2": (Gemma2Config, GEMMA2_9B),
                           "w1": (Qwen2Config, W1)}[args.model]
     model = build(config_cls, shape, args.layers, "cuda", torch.bfloat16)
@@ -79,6 +85,8 @@ def main() -> None:
     per_step = {k: (long.get(k, 0.0) - short.get(k, 0.0)) / args.new for k in long}
     total = sum(per_step.values())
     busy, span = (long_union - short_union) / args.new / 1e3, (long_span - short_span) / args.new / 1e3
+    if args.drop_norms:
+        print("fused add + RMSNorm dropped: timing only, the tokens are not the model's")
     print(f"{args.layers} layers, batch {args.batch}: {total / 1e3:.3f} ms of kernels a decode step "
           f"({total / args.layers:.1f} us a layer)")
     # Where a step's wall time goes: kernels running; the device idle between them (launch
