@@ -14,7 +14,9 @@ namespace pagedkv::kernels {
 // Same operands and layout as gemv_w4a16 (gemv_w4a16.h), with scales (and float zeros) in x's
 // dtype (dtype) and m <= 8. Each weight is dequantized to that dtype ((q - z) * s rounded once, as
 // PyTorch's dequantization in that dtype; float zeros: (q - 8) * s + z by one fused multiply-add,
-// as tinygemm's), products summed in fp32.
+// as tinygemm's), products summed in fp32; except for zero points with groups of 128 << j k and
+// more than 4 or at most 2 16-row tiles an SM, where q - z goes unrounded into the products and
+// each group's fp32 sums are scaled (nearer the exact product).
 cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int32_t* packed,
                            const void* scales, const void* zeros, bool float_zeros, int m, int n, int k,
                            int group_size, int num_sms, DType dtype, cudaStream_t stream);
