@@ -23,6 +23,7 @@ import torch
 
 from pagedkv.models.registry import check_supported
 from pagedkv.models.llama import DecoderWeights
+from pagedkv.models.native_weights import attention_scale, norm_eps
 from pagedkv.models.sharding import WHOLE, rank_slices, shard_decoder
 from pagedkv.models.windows import layer_windows
 
@@ -163,5 +164,5 @@ def read_shard(model, reader: TensorReader, rank: int, world_size: int, device: 
                              f"makes it {list(param.shape)}")
         return reader.read(name, rows, cols).to(device=device, dtype=dtype).contiguous()
 
-    return shard_decoder(part, s, len(inner.layers), vocab, attn0.head_dim, float(config.rms_norm_eps),
-                         float(attn0.scaling), layer_windows(config))
+    return shard_decoder(part, s, len(inner.layers), vocab, attn0.head_dim, norm_eps(model, config.rms_norm_eps),
+                         attention_scale(inner.layers), layer_windows(config))

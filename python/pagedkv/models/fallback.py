@@ -20,8 +20,8 @@ identity rotation, which skips a CUDA-graph bucket's padding rows on the device)
 runtime captures it as a CUDA graph where HF's modules allow (runtime/runner.py capture_step:
 one that syncs or branches on values fails its capture and the model runs eagerly). A replay
 skips the modules' Python: what they read from their own attributes or config each call is in
-`settings_state`, which the model's fingerprint includes (runtime/model.py), so a change there
-makes generate() take the model again and an LLM refuse it, as a replaced weight does.
+the model's fingerprint (runtime/fingerprint.py, with the modules' training flags here), so a
+change there makes generate() take the model again and an LLM refuse it, as a replaced weight does.
 """
 
 from __future__ import annotations
@@ -112,29 +112,6 @@ def _dispatches_attention(module_name: str) -> bool:
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[module_name])
     except (KeyError, OSError, TypeError):
         return True
-
-
-_SCALARS = (bool, int, float, str, type(None))
-
-
-def settings_state(model) -> tuple:
-    """What HF's modules read off Python objects (not tensors) at each call, as fingerprint
-    entries (runtime/model.py): the config's public fields and every module's plain attributes
-    (scalars and tuples/lists of them: scaling, is_causal, training, ...). A CUDA graph baked
-    their values in; ~0.1 ms for 32 layers, per call."""
-    items: list[tuple[str, tuple]] = [
-        (f"config.{k}", ("setting", repr(v))) for k, v in sorted(vars(model.config).items())
-        if not k.startswith("_")]
-    for name, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if attr.startswith("_"):
-                continue
-            if isinstance(value, (tuple, list)) and all(isinstance(v, _SCALARS) for v in value):
-                value = tuple(value)
-            elif not isinstance(value, _SCALARS):
-                continue
-            items.append((f"{name}.{attr}" if name else attr, ("setting", value)))
-    return tuple(items)
 
 
 @dataclasses.dataclass(slots=True)

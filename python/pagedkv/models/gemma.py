@@ -30,7 +30,7 @@ from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
-from pagedkv.models.native_weights import NativeWeights
+from pagedkv.models.native_weights import NativeWeights, attention_scale, norm_eps
 from pagedkv.models.windows import layer_types, rope_kinds
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -151,8 +151,8 @@ def extract_gemma_weights(model) -> GemmaWeights:
         embed=embed, embed_scale=scale.to(device=embed.device, dtype=embed.dtype), layers=layers,
         final_norm=inner.norm.weight.detach(), lm_head=model.lm_head.weight.detach(),
         vocab_size=int(model.lm_head.weight.shape[0]), num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads, head_dim=attn0.head_dim, eps=float(config.rms_norm_eps),
-        scale=float(attn0.scaling), attn_softcap=_attention_softcap(config),
+        num_kv_heads=config.num_key_value_heads, head_dim=attn0.head_dim, eps=norm_eps(model, config.rms_norm_eps),
+        scale=attention_scale(inner.layers), attn_softcap=_attention_softcap(config),
         final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
     )
 

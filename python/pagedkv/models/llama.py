@@ -26,7 +26,7 @@ from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32
 from pagedkv.layers.moe import MoEWeights, moe_mlp, moe_weights
 from pagedkv.layers.rotary import identity_rotation
 from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES, fuse_qkv_halves
-from pagedkv.models.native_weights import NativeWeights
+from pagedkv.models.native_weights import NativeWeights, attention_scale, module_setting, norm_eps
 from pagedkv.models.windows import layer_windows
 from pagedkv.quant.dispatch import LinearWeight, apply_gate_up_silu, apply_linear
 
@@ -125,10 +125,15 @@ def extract_weights(model) -> DecoderWeights:
         final_norm=inner.norm.weight.detach(), lm_head=model.lm_head.weight.detach(),
         vocab_size=int(model.lm_head.weight.shape[0]),
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
+        head_dim=head_dim, eps=norm_eps(model, config.rms_norm_eps), scale=attention_scale(inner.layers),
         windows=layer_windows(config),
-        embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0)),
-        residual_multiplier=float(getattr(config, "residual_multiplier", 1.0)),
+        # Granite: HF's modules hold these (set from the config at init); the logits' scaling it
+        # reads off the config at each call
+        embedding_multiplier=module_setting([("model", inner)], ("embedding_multiplier",),
+                                            getattr(config, "embedding_multiplier", 1.0), "embedding multiplier"),
+        residual_multiplier=module_setting([(f"model.layers.{i}", layer) for i, layer in enumerate(inner.layers)],
+                                           ("residual_multiplier",), getattr(config, "residual_multiplier", 1.0),
+                                           "residual multiplier"),
         logits_scaling=float(getattr(config, "logits_scaling", 1.0)),
         norm_fp32_weight=config.model_type == "helium", rope_fp32=config.model_type == "ernie4_5",
     )

@@ -35,7 +35,7 @@ from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32  # HF's
 from pagedkv.layers.rotary import identity_rotation, rope_type
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
-from pagedkv.models.native_weights import NativeWeights
+from pagedkv.models.native_weights import NativeWeights, attention_scale, norm_eps
 from pagedkv.models.windows import layer_types, rope_kinds
 
 OLMO2_MODEL_TYPES = ("olmo2", "olmo3")
@@ -122,7 +122,7 @@ def extract_olmo2_weights(model) -> Olmo2Weights:
         embed=inner.embed_tokens.weight.detach(), layers=layers, final_norm=inner.norm.weight.detach(),
         lm_head=model.lm_head.weight.detach(), vocab_size=int(model.lm_head.weight.shape[0]),
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-        head_dim=attn0.head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
+        head_dim=attn0.head_dim, eps=norm_eps(model, config.rms_norm_eps), scale=attention_scale(inner.layers),
     )
 
 

@@ -33,6 +33,7 @@ import torch
 
 from pagedkv.layers.moe import moe_weights
 from pagedkv.models.llama import DecoderWeights, LayerWeights
+from pagedkv.models.native_weights import attention_scale, norm_eps
 from pagedkv.models.quantized_moe import read_moe
 from pagedkv.models.windows import layer_windows
 from pagedkv.quant.dispatch import LinearWeight
@@ -135,7 +136,7 @@ def read_quantized(model, reader, fmt: QuantFormat, device: torch.device, dtype:
         embed=embed, layers=layers, final_norm=dense("model.norm.weight"),
         lm_head=embed if tied else dense("lm_head.weight"), vocab_size=int(model.lm_head.weight.shape[0]),
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-        head_dim=attn0.head_dim, eps=float(config.rms_norm_eps), scale=float(attn0.scaling),
+        head_dim=attn0.head_dim, eps=norm_eps(model, config.rms_norm_eps), scale=attention_scale(inner.layers),
         windows=layer_windows(config),
     )
 

@@ -17,6 +17,7 @@ from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES
 from pagedkv.models.module_path import (ATTENTION_LINEARS, MLP_LINEARS, PathEntry, causal_lm_reason,
                                         head_dim_reason, outer_path, path_reason, tensor_subclass)
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
+from pagedkv.models.unsupported import UnsupportedModel  # noqa: F401  (re-exported: pagedkv.UnsupportedModel)
 from pagedkv.models.windows import layer_windows
 
 # Llama's decoder under other names: the same layers, norms, activation and rotary layout (read
@@ -74,10 +75,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)  # what the attention kernels are instantiated for
 PREPARED_ATTR = "_pagedkv_model"  # the attribute of the HF model that holds its PreparedModel (runtime/model.py)
-
-
-class UnsupportedModel(ValueError):
-    """The model (architecture, attention variant, dtype, placement) is not one pagedkv runs."""
 
 
 def compiled_original(model):

@@ -23,7 +23,8 @@ through torch.distributed (NCCL on CUDA, gloo on the CPU), inside CUDA graphs to
 The model may change after pagedkv took its weights. In-place writes (optimizer steps,
 load_state_dict, ``p.data.copy_``) need nothing: the weights pagedkv runs are HF's own tensors
 (views of the fused ones). Anything else (a new tensor or module, another dtype or device, a
-resized vocabulary) changes the model's fingerprint, checked once per generate() call:
+resized vocabulary, a config field or a module's setting such as a norm's epsilon) changes the
+model's fingerprint, checked once per generate() call:
 generate() then takes the weights again; an LLM, bound to the old ones, and a tensor-parallel
 shard, a copy, refuse with ModelChanged. A copy of the model (deepcopy, pickle, torch.save)
 carries no PreparedModel and takes its own weights on first use.
@@ -44,7 +45,7 @@ from pagedkv.layers.moe import moe_weight_tensors
 from pagedkv.layers.rotary import LENGTH_DEPENDENT_ROPE_TYPES, RopeByLength, build_cos_sin_cache, max_length, rope_type
 from pagedkv.models.checkpoint_shards import TensorReader, open_checkpoint, read_shard
 from pagedkv.models.cohere import COHERE_MODEL_TYPES, CohereWeights, extract_cohere_weights
-from pagedkv.models.fallback import FallbackWeights, fallback_weights, settings_state
+from pagedkv.models.fallback import FallbackWeights, fallback_weights
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, GemmaWeights, extract_gemma_weights
 from pagedkv.models.hf_quantized import QuantizedLinears, find_quantized, quantized_state, read_hf_quantized
 from pagedkv.models.interleaved_rope import PERMUTED_ROWS_MODEL_TYPES, interleaved_cos_sin
@@ -120,7 +121,7 @@ class PreparedModel:
                         "CUDA graphs where they allow)", type(model).__name__)
             return cls(fallback_weights(model), None, param.device, param.dtype,
                        int(model.config.max_position_embeddings), None,
-                       fingerprint=fingerprint(model) + settings_state(model))
+                       fingerprint=fingerprint(model, training=True))
         # Not in inference mode (generate() runs in it): HF's parameters become views of the
         # fused tensors, and views of inference tensors could never be trained again.
         with torch.inference_mode(False), torch.no_grad():
@@ -168,9 +169,8 @@ class PreparedModel:
     def change_in(self, model) -> str | None:
         """None if `model` is as these weights were taken from it, else its first change.
         A shard (tp) is a copy: in-place writes count too."""
-        now = fingerprint(model, versions=_copies(model, self.tp))
-        if isinstance(self.weights, FallbackWeights):  # HF's modules run: their settings count too
-            now += settings_state(model)
+        # HF's modules run a fallback model: their training flags count too
+        now = fingerprint(model, versions=_copies(model, self.tp), training=isinstance(self.weights, FallbackWeights))
         if self.hf_quantized:  # repacked copies: writes in place count (models/hf_quantized.py)
             now += quantized_state(model, registry.QUANTIZED_MODEL_TYPES)
         return None if now == self.fingerprint else describe_change(self.fingerprint, now)
