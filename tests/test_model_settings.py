@@ -1,5 +1,5 @@
 """Settings HF's forward reads off its modules rather than off tensors (a norm's epsilon, an
-attention's scale, Granite's multipliers), changed after pagedkv ran the model: generate()
+attention's scale, Gemma-2's attention softcap, Granite's multipliers), changed after pagedkv ran the model: generate()
 takes the model again and follows the modules, as HF does (not the config, which HF reads only at
 init); one layer's value unlike the others' is refused by name; an LLM refuses the changed model.
 Tokens are compared with HF's generate on the same model."""
@@ -13,6 +13,7 @@ import pagedkv
 from pagedkv import LLM
 from conftest import DEVICES
 from models import tiny_model
+from test_gemma import tiny as tiny_gemma
 from test_granite_olmo2 import tiny as tiny_granite
 from test_model_state import GREEDY, PROMPTS, assert_matches_hf, llm_tokens
 
@@ -60,6 +61,13 @@ def test_granite_multipliers_changed_on_the_modules_are_followed():
     assert not torch.equal(before, after)
     model.model.embedding_multiplier = 100.0  # the config's: 3.0
     assert not torch.equal(after, assert_matches_hf(model))
+
+
+def test_a_changed_gemma2_attention_softcap_is_followed():
+    model = tiny_gemma("gemma2")  # attn_logit_softcapping 5.0, eager attention (HF's sdpa drops it)
+    before = assert_matches_hf(model)
+    set_everywhere([layer.self_attn for layer in model.model.layers], "attn_logit_softcapping", 0.5)
+    assert not torch.equal(before, assert_matches_hf(model))
 
 
 def test_one_layer_unlike_the_others_is_refused_by_name():

@@ -30,7 +30,7 @@ from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
-from pagedkv.models.native_weights import NativeWeights, attention_scale, norm_eps
+from pagedkv.models.native_weights import NativeWeights, attention_scale, module_setting, norm_eps
 from pagedkv.models.windows import layer_types, rope_kinds
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -73,11 +73,15 @@ def _activation(config) -> str | None:
     return getattr(config, "hidden_activation", None)
 
 
-def _attention_softcap(config) -> float:
-    # Gemma-3's attention passes no softcap to HF's attention function, whatever the config says.
+def _attention_softcap(model) -> float:
+    # Gemma-3's attention passes no softcap to HF's attention function, whatever the config says;
+    # Gemma-2's passes its module's attn_logit_softcapping (set from the config at init).
+    config = model.config
     if config.model_type != "gemma2":
         return 0.0
-    return float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+    named = [(f"model.layers.{i}.self_attn", layer.self_attn) for i, layer in enumerate(model.model.layers)]
+    return module_setting(named, ("attn_logit_softcapping",), getattr(config, "attn_logit_softcapping", None) or 0.0,
+                          "attention softcap")
 
 
 def gemma_reason(model, head_dims: tuple[int, ...]) -> str | None:
@@ -152,7 +156,7 @@ def extract_gemma_weights(model) -> GemmaWeights:
         final_norm=inner.norm.weight.detach(), lm_head=model.lm_head.weight.detach(),
         vocab_size=int(model.lm_head.weight.shape[0]), num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, head_dim=attn0.head_dim, eps=norm_eps(model, config.rms_norm_eps),
-        scale=attention_scale(inner.layers), attn_softcap=_attention_softcap(config),
+        scale=attention_scale(inner.layers), attn_softcap=_attention_softcap(model),
         final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
     )
 

@@ -36,12 +36,12 @@ def module_setting(modules: Iterable[tuple[str, torch.nn.Module]], attrs: tuple[
     norm's variance_epsilon): HF sets it from the config at init, and a user may change it after,
     on the module, which the config no longer says. One value for all the modules, else
     UnsupportedModel naming two that differ (pagedkv runs one value for every layer); `default`
-    (the config's) where no module holds one."""
+    (the config's) where no module holds one. None (a feature off, e.g. no softcap) reads as 0."""
     found: dict[str, float] = {}
     for name, module in modules:
         held = next((a for a in attrs if a in vars(module)), None)
         if held is not None:
-            found[f"{name}.{held}"] = float(vars(module)[held])
+            found[f"{name}.{held}"] = float(vars(module)[held] or 0.0)
     if len(set(found.values())) > 1:
         first = next(iter(found))
         other = next(n for n, v in found.items() if v != found[first])
