@@ -30,7 +30,7 @@ from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
 from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
-from pagedkv.models.native_weights import NativeWeights, attention_scale, module_setting, norm_eps
+from pagedkv.models.native_weights import NativeWeights, attention_scale, attention_setting, norm_eps
 from pagedkv.models.windows import layer_types, rope_kinds
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -79,9 +79,8 @@ def _attention_softcap(model) -> float:
     config = model.config
     if config.model_type != "gemma2":
         return 0.0
-    named = [(f"model.layers.{i}.self_attn", layer.self_attn) for i, layer in enumerate(model.model.layers)]
-    return module_setting(named, ("attn_logit_softcapping",), getattr(config, "attn_logit_softcapping", None) or 0.0,
-                          "attention softcap")
+    return attention_setting(model.model.layers, "attn_logit_softcapping",
+                             getattr(config, "attn_logit_softcapping", None) or 0.0, "attention softcap")
 
 
 def gemma_reason(model, head_dims: tuple[int, ...]) -> str | None:

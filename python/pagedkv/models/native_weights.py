@@ -56,7 +56,12 @@ def norm_eps(model, default: float) -> float:
     return module_setting(norms, ("variance_epsilon", "eps"), default, "norm epsilon")
 
 
+def attention_setting(layers, attr: str, default: float, what: str) -> float:
+    """module_setting over every layer's attention module (`self_attn`)."""
+    named = [(f"model.layers.{i}.self_attn", layer.self_attn) for i, layer in enumerate(layers)]
+    return module_setting(named, (attr,), default, what)
+
+
 def attention_scale(layers) -> float:
     """The score scale every layer's attention module holds (HF's forward reads `scaling`)."""
-    named = [(f"model.layers.{i}.self_attn", layer.self_attn) for i, layer in enumerate(layers)]
-    return module_setting(named, ("scaling",), layers[0].self_attn.scaling, "attention scale")
+    return attention_setting(layers, "scaling", layers[0].self_attn.scaling, "attention scale")
