@@ -159,14 +159,16 @@ def test_every_launch_plan(rows):
 def test_groups_of_whole_steps(dtype, group_size, rows):
     """Groups of 128 << j k, where the kernel multiplies each 128-k step's fp32 sums by the scale
     and bf16 adds the zero point as a second mma on M + q: zero points up to 16, and x with a
-    large common offset, the case where M + q's sums cancel most, stay within the baseline."""
-    layer, canonical = random_layer(1024, 2 * 16 * torch.cuda.get_device_properties("cuda").multi_processor_count + 8,
-                                    group_size, dtype, "cuda")
-    canonical.zeros = torch.randint(0, 17, canonical.zeros.shape, dtype=torch.uint8)
-    layer.zeros = canonical.zeros.cuda()
-    x = torch.randn(rows, 1024, dtype=dtype, device="cuda") + 16
-    assert_close_to_baseline(linear_w4a16_weight(x, layer), baseline=reference(x, canonical, dtype),
-                             reference=reference(x.double(), canonical, torch.float64))
+    large common offset, the case where M + q's sums cancel most, stay within the baseline. Widths
+    of both its launch plans (<= 2 tiles an SM, > 4); 2-4 go to the previous kernel."""
+    widths = launch_plan_widths()
+    for out_features in (widths[0], widths[2]):
+        layer, canonical = random_layer(1024, out_features, group_size, dtype, "cuda")
+        canonical.zeros = torch.randint(0, 17, canonical.zeros.shape, dtype=torch.uint8)
+        layer.zeros = canonical.zeros.cuda()
+        x = torch.randn(rows, 1024, dtype=dtype, device="cuda") + 16
+        assert_close_to_baseline(linear_w4a16_weight(x, layer), baseline=reference(x, canonical, dtype),
+                                 reference=reference(x.double(), canonical, torch.float64))
 
 
 @pytest.mark.parametrize("device", DEVICES)
