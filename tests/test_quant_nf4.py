@@ -121,11 +121,12 @@ def test_every_launch_plan(rows):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("in_features", [32, 96, 416])
+@pytest.mark.parametrize("in_features,block_size", [(32, 32), (96, 32), (416, 32), (64, 64), (192, 64), (448, 64)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_k_not_a_multiple_of_128(device, dtype, in_features, rows):
-    """k of 1, 3 and 13 pieces of 32 codes (the tensor-core kernel's lanes take 128 k a step)."""
-    layer, canonical = random_layer(in_features, 40, 32, device)
+def test_k_not_a_multiple_of_128(device, dtype, in_features, block_size, rows):
+    """k of 1, 3 and 13 pieces of 32 codes (the tensor-core kernels' lanes take 128 k a step),
+    and of an odd number of 64-code blocks (the block-scaled kernel's last step half inside)."""
+    layer, canonical = random_layer(in_features, 40, block_size, device)
     x = torch.randn(rows, in_features, dtype=dtype, device=device)
     assert_matches_reference(linear_nf4_weight(x, layer), x, canonical, dtype)
 

@@ -79,6 +79,7 @@ struct Int4GroupStepFormat {
 
   struct Piece {
     static constexpr bool kZeroByMma = std::is_same_v<T, __nv_bfloat16>;
+    static constexpr bool kSumsX = false;
     uint32_t zero2;  // kZeroByMma: (-(M + z), -(M + z)), the zero mma's A; else (M + z, M + z)
     float scale;
     __device__ __forceinline__ uint32_t pair(uint32_t word, int s) const {
@@ -121,6 +122,41 @@ struct Int4OffsetFormat {
     return {broadcast2<T>(zeros[at]), broadcast2<T>(scales[at])};
   }
   __device__ __forceinline__ int groups(int k) const { return k / group_size; }
+  static __device__ __forceinline__ uint32_t x_pair(const uint4& xv, int s) { return Int4Format<T>::x_pair(xv, s); }
+};
+
+// Int4OffsetFormat where every step lies in one group (Int4GroupStepFormat's condition): the sum
+// over a group of w x = s sum (q - 8) x + z sum x, so the mma takes q - 8 unscaled (bf16: M + q
+// straight from the lop3, M + 8 moved into the coefficient of sum x) and a second mma with A = 1
+// gives sum x; a step then ends in c += s sums + coefficient x_sums, nothing rounded but fp32.
+template <typename T>
+struct Int4OffsetGroupStepFormat {
+  const T* scales;  // [n, groups]
+  const T* zeros;   // [n, groups]: added after scaling
+  int piece_shift;  // log2(group_size / 32)
+
+  struct Piece {
+    static constexpr bool kZeroByMma = false;
+    static constexpr bool kSumsX = true;
+    static constexpr bool kRawMagic = std::is_same_v<T, __nv_bfloat16>;  // A = M + q, as Int4GroupStepFormat
+    float scale;
+    float x_coefficient;  // z, less s (M + 8) where A = M + q
+    __device__ __forceinline__ uint32_t pair(uint32_t word, int s) const {
+      const uint32_t m_plus_q = lop3_and_or(word >> (4 * s), 0x000F000Fu, Magic<T>::kBits * 0x00010001u);
+      if constexpr (kRawMagic) {
+        return m_plus_q;
+      } else {
+        return sub2<T>(m_plus_q, magic_zero2<T>(8));  // q - 8, exact
+      }
+    }
+  };
+  __device__ __forceinline__ Piece piece(int row, int groups, int p) const {
+    const int64_t at = static_cast<int64_t>(row) * groups + (p >> piece_shift);
+    const float scale = to_float(scales[at]);
+    const float offset = Piece::kRawMagic ? Magic<T>::kValue + 8.f : 0.f;
+    return {scale, fmaf(-scale, offset, to_float(zeros[at]))};
+  }
+  __device__ __forceinline__ int groups(int k) const { return (k / 32) >> piece_shift; }
   static __device__ __forceinline__ uint32_t x_pair(const uint4& xv, int s) { return Int4Format<T>::x_pair(xv, s); }
 };
 
@@ -191,9 +227,10 @@ __global__ void __launch_bounds__(kSplit * 32)
                                    const auto& piece_hi) {  // a template: instantiated for F's with scaled sums only
     const uint32_t lo_words[4] = {lo.x, lo.y, lo.z, lo.w};
     const uint32_t hi_words[4] = {hi.x, hi.y, hi.z, hi.w};
-    const uint32_t zero_a[4] = {piece_lo.zero2, piece_hi.zero2, piece_lo.zero2, piece_hi.zero2};
+    using StepPiece = std::decay_t<decltype(piece_lo)>;
     const uint4* xv_ptr = reinterpret_cast<const uint4*>(x_row + static_cast<int64_t>(p) * 32);
-    float sums[4] = {0.f, 0.f, 0.f, 0.f};  // this step's sum of (q - z) x, one group's
+    float sums[4] = {0.f, 0.f, 0.f, 0.f};    // this step's sum of (q - z) x, one group's
+    float x_sums[4] = {0.f, 0.f, 0.f, 0.f};  // kSumsX: its sum of x (the same for both rows)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint4 xv = xv_ptr[j];
@@ -203,13 +240,27 @@ __global__ void __launch_bounds__(kSplit * 32)
                                piece_lo.pair(lo_words[j], s + 1), piece_hi.pair(hi_words[j], s + 1)};
         const uint32_t b0 = F::x_pair(xv, s), b1 = F::x_pair(xv, s + 1);
         mma16816(sums, a, b0, b1, T{});
-        if constexpr (std::decay_t<decltype(piece_lo)>::kZeroByMma) mma16816(sums, zero_a, b0, b1, T{});
+        if constexpr (StepPiece::kZeroByMma) {
+          const uint32_t zero_a[4] = {piece_lo.zero2, piece_hi.zero2, piece_lo.zero2, piece_hi.zero2};
+          mma16816(sums, zero_a, b0, b1, T{});
+        }
+        if constexpr (StepPiece::kSumsX) {
+          constexpr uint32_t kOne2 = std::is_same_v<T, __nv_bfloat16> ? 0x3F803F80u : 0x3C003C00u;
+          const uint32_t ones[4] = {kOne2, kOne2, kOne2, kOne2};
+          mma16816(x_sums, ones, b0, b1, T{});
+        }
       }
     }
     c[0] = fmaf(piece_lo.scale, sums[0], c[0]);  // C rows g (the lo weight row) and g + 8 (hi)
     c[1] = fmaf(piece_lo.scale, sums[1], c[1]);
     c[2] = fmaf(piece_hi.scale, sums[2], c[2]);
     c[3] = fmaf(piece_hi.scale, sums[3], c[3]);
+    if constexpr (StepPiece::kSumsX) {
+      c[0] = fmaf(piece_lo.x_coefficient, x_sums[0], c[0]);
+      c[1] = fmaf(piece_lo.x_coefficient, x_sums[1], c[1]);
+      c[2] = fmaf(piece_hi.x_coefficient, x_sums[2], c[2]);
+      c[3] = fmaf(piece_hi.x_coefficient, x_sums[3], c[3]);
+    }
   };
   const auto multiply = [&](const uint4& lo, const uint4& hi, int p, const Piece& piece_lo, const Piece& piece_hi) {
     const bool inside = p < pieces;
@@ -252,7 +303,7 @@ __global__ void __launch_bounds__(kSplit * 32)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int step = base + u * kSplit;
-      if constexpr (std::is_same_v<F, Int4GroupStepFormat<T>>) {
+      if constexpr (std::is_same_v<F, Int4GroupStepFormat<T>> || std::is_same_v<F, Int4OffsetGroupStepFormat<T>>) {
         if (step < steps) multiply_scaled(lo[u], hi[u], 4 * step + t, piece_lo[u], piece_hi[u]);  // warp-uniform
       } else {
         multiply(lo[u], hi[u], 4 * step + t, piece_lo[u], piece_hi[u]);
@@ -290,7 +341,7 @@ cudaError_t launch(void* out, const void* x, int64_t x_stride, const void* packe
         return cudaGetLastError();
       };
       if (tiles <= 2 * num_sms) return go.template operator()<1, 16>();
-      if constexpr (std::is_same_v<F<T>, Int4GroupStepFormat<T>>) {
+      if constexpr (std::is_same_v<F<T>, Int4GroupStepFormat<T>> || std::is_same_v<F<T>, Int4OffsetGroupStepFormat<T>>) {
         return go.template operator()<2, 8>();
       } else if constexpr (std::is_same_v<F<T>, Int4Format<T>>) {
         if (tiles <= 4 * num_sms) return go.template operator()<4, 8>();
@@ -330,6 +381,13 @@ cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int
       using T = decltype(tag);
       return Int4GroupStepFormat<T>{static_cast<const T*>(scales), static_cast<const uint8_t*>(zeros),
                                     __builtin_ctz(pieces_per_group)};
+    });
+  }
+  if (float_zeros && group_size % kStepK == 0 && (pieces_per_group & (pieces_per_group - 1)) == 0 && !qkv_like) {
+    return launch<Int4OffsetGroupStepFormat>(out, x, x_stride, packed, m, n, k, num_sms, dtype, stream, [&](auto tag) {
+      using T = decltype(tag);
+      return Int4OffsetGroupStepFormat<T>{static_cast<const T*>(scales), static_cast<const T*>(zeros),
+                                          __builtin_ctz(pieces_per_group)};
     });
   }
   if (float_zeros) {

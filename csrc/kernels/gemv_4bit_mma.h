@@ -14,9 +14,10 @@ namespace pagedkv::kernels {
 // Same operands and layout as gemv_w4a16 (gemv_w4a16.h), with scales (and float zeros) in x's
 // dtype (dtype) and m <= 8. Each weight is dequantized to that dtype ((q - z) * s rounded once, as
 // PyTorch's dequantization in that dtype; float zeros: (q - 8) * s + z by one fused multiply-add,
-// as tinygemm's), products summed in fp32; except for zero points with groups of 128 << j k and
-// more than 4 or at most 2 16-row tiles an SM, where q - z goes unrounded into the products and
-// each group's fp32 sums are scaled (nearer the exact product).
+// as tinygemm's), products summed in fp32; except for groups of 128 << j k and more than 4 or at
+// most 2 16-row tiles an SM, where q - z (float zeros: q - 8, and the zeros times the group's
+// sum of x) goes unrounded into the products and each group's fp32 sums are scaled (nearer the
+// exact product).
 cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int32_t* packed,
                            const void* scales, const void* zeros, bool float_zeros, int m, int n, int k,
                            int group_size, int num_sms, DType dtype, cudaStream_t stream);
@@ -26,6 +27,12 @@ cudaError_t gemv_w4a16_mma(void* out, const void* x, int64_t x_stride, const int
 cudaError_t gemv_nf4_mma(void* out, const void* x, int64_t x_stride, const uint8_t* packed,
                          const float* absmax, const float* code, int m, int n, int k,
                          int block_size, int num_sms, DType dtype, cudaStream_t stream);
+
+// gemv_nf4_mma for absmax blocks of 64 << j columns (gemv_nf4_mma.cu): the codes rounded to x's
+// dtype, each block's fp32 sums times its absmax.
+cudaError_t gemv_nf4_block_scaled_mma(void* out, const void* x, int64_t x_stride, const uint8_t* packed,
+                                      const float* absmax, const float* code, int m, int n, int k,
+                                      int block_size, int num_sms, DType dtype, cudaStream_t stream);
 
 // PAGEDKV_QUANT_MMA=0 sends every row count of int4, NF4, FP8 and int8 weights to the CUDA-core
 // kernels (an A/B switch, read once per process).

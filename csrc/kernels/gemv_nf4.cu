@@ -49,7 +49,12 @@ struct Nf4 {
 cudaError_t gemv_nf4(void* out, const void* x, int64_t x_stride, const uint8_t* packed, const float* absmax,
                      const float* code, int m, int n, int k, int block_size, int num_sms, DType dtype,
                      cudaStream_t stream) {
-  if (m > 0 && m <= 8 && n > 0 && quant_mma_enabled()) {  // the tensor-core kernel
+  if (m > 0 && m <= 8 && n > 0 && quant_mma_enabled()) {  // the tensor-core kernels
+    const int blocks_per_64 = block_size / 64;
+    if (block_size % 64 == 0 && blocks_per_64 > 0 && (blocks_per_64 & (blocks_per_64 - 1)) == 0) {
+      return gemv_nf4_block_scaled_mma(out, x, x_stride, packed, absmax, code, m, n, k, block_size, num_sms,
+                                       dtype, stream);
+    }
     return gemv_nf4_mma(out, x, x_stride, packed, absmax, code, m, n, k, block_size, num_sms, dtype, stream);
   }
   const bool sizes_ok = block_size > 0 && block_size % Nf4::kPieceCols == 0 && k % block_size == 0;
