@@ -6,14 +6,14 @@
 # a plan on every matrix, qkv's included. Builds the patched tree, runs the tree's own plan
 # ("default") and each forced one, then reverses the patch and rebuilds the tree.
 # Writes to $OUT (else ./results): plans.md (the int4 rows of each run).
-# Usage: lab/int4_plan_sweep.sh [PLAN ...]   (default: 1x8 1x16 2x4 2x8 2x16 4x4 4x8 4x8m3; m3: at least 3 CTAs an SM)
+# Usage: lab/int4_plan_sweep.sh [PLAN ...]   (default: 1x8 1x16 2x4 2x8 2x16 4x4 4x8)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-${RESULTS_DIR:-results}}
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
 PLANS=("$@")
-[ ${#PLANS[@]} -gt 0 ] || PLANS=(1x8 1x16 2x4 2x8 2x16 4x4 4x8 4x8m3)
+[ ${#PLANS[@]} -gt 0 ] || PLANS=(1x8 1x16 2x4 2x8 2x16 4x4 4x8)
 PATCH=lab/experiments/int4_plan_sweep.patch
 git apply "$PATCH" || exit 1
 status=0
