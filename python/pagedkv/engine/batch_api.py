@@ -19,6 +19,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompts import Prompt, batch_of
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.models.module_hooks import check_no_forward_hooks
 from pagedkv.models.registry import check_no_dropout
 from pagedkv.runtime.model import ModelChanged, check_unchanged
 from pagedkv.runtime.prefix_reuse import weights_version
@@ -47,6 +48,7 @@ class BatchAPI:
         About 0.1 ms a call (per batch or add_request, never per step). A model put in training
         mode with an active dropout is refused too (ValueError: pagedkv never drops)."""
         check_no_dropout(self.model, "pagedkv.LLM", "; nothing was queued")
+        check_no_forward_hooks(self.model, "pagedkv.LLM", "; nothing was queued")
         version = weights_version(self.model)
         if version == self._weights_version:
             return

@@ -20,6 +20,7 @@ from pagedkv.cache.kv_dtype import kv_cache_options
 from pagedkv.hf import arguments, beam_search
 from pagedkv.hf.generation_config import UnsupportedGenerationArgument, resolve_generation
 from pagedkv.hf.processing import CallArguments, processed_decode
+from pagedkv.models.module_hooks import check_no_forward_hooks
 from pagedkv.models.registry import check_no_dropout, check_supported, compiled_original
 from pagedkv.runtime.draft_model import SCHEDULES, DraftRefused, check_draft, drafting
 from pagedkv.runtime.fixed_batch import FixedBatch, GenerationSettings
@@ -151,6 +152,7 @@ def _generate(model, input_ids, attention_mask, generation_config, streamer, use
     num_beams > 1, HF's whole beam output in place of the new tokens."""
     check_supported(model)
     check_no_dropout(model, "pagedkv.generate")
+    check_no_forward_hooks(model, "pagedkv.generate")
     if kwargs.get("inputs_embeds") is not None:
         raise UnsupportedGenerationArgument(
             "pagedkv.generate: inputs_embeds is not supported: pagedkv.generate takes token ids; pass "
