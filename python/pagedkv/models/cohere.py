@@ -31,7 +31,7 @@ from pagedkv.layers.hf_rounding import layer_norm_fp32, rotate_fp32
 from pagedkv.layers.rotary import identity_rotation, rope_type
 from pagedkv.models.interleaved_rope import fuse_qkv_halves, permute_last
 from pagedkv.models.llama import _fuse_rows
-from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
+from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_modules_reason, layer_path, path_reason
 from pagedkv.models.native_weights import NativeWeights, attention_scale, norm_eps
 
 COHERE_MODEL_TYPES = ("cohere",)
@@ -73,7 +73,8 @@ def cohere_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...]
     if reason is not None:
         return reason
     qk_norms = ("q_norm", "k_norm") if getattr(config, "use_qk_norm", False) else ()
-    return path_reason(layer_path(model, ("input_layernorm",), qk_norms), config.model_type)
+    return (path_reason(layer_path(model, ("input_layernorm",), qk_norms), config.model_type)
+            or layer_modules_reason(model, "silu"))
 
 
 def extract_cohere_weights(model) -> CohereWeights:

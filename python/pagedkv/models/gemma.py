@@ -29,7 +29,7 @@ from pagedkv import ops
 from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged_attention
 from pagedkv.models.fallback import LENGTH_DEPENDENT_ROPE
 from pagedkv.models.llama import _fuse_rows
-from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
+from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_modules_reason, layer_path, path_reason
 from pagedkv.models.native_weights import NativeWeights, attention_scale, attention_setting, norm_eps
 from pagedkv.models.windows import layer_types, rope_kinds
 
@@ -118,7 +118,8 @@ def _module_reason(model) -> str | None:
         norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     attention_modules = ("q_norm", "k_norm") if config.model_type == "gemma3_text" else ()
     # embed_tokens: transformers' scaled embedding module (the scale is taken as HF applies it)
-    return path_reason(layer_path(model, norms, attention_modules, embedding=None), config.model_type)
+    return (path_reason(layer_path(model, norms, attention_modules, embedding=None), config.model_type)
+            or layer_modules_reason(model, _activation(config)))
 
 
 def extract_gemma_weights(model) -> GemmaWeights:

@@ -8,6 +8,8 @@ every generate() call, and nn.Module.__getattr__ is slow.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -77,6 +79,55 @@ def path_reason(path: list[PathEntry], model_type: str) -> str | None:
         if cls is None and not kind.__module__.startswith("transformers."):
             return (f"{name} is a {kind.__name__} from {kind.__module__}, not the model's own "
                     "transformers module: pagedkv runs its own forward and would leave it out")
+    return _bias_reason({name: module for name, module, cls in path if cls is nn.Linear})
+
+
+# The Linears whose bias the native decoders add (HF's attention_bias): q, k and v fused, so all
+# three or none, and o. The others (the MLP's, a shared expert's and its gate, the LM head) have
+# none in any supported config, and a bias put there (a module replaced by a biased nn.Linear)
+# would be left out.
+_QKV = ("q_proj", "k_proj", "v_proj")
+_BIASED = _QKV + ("qkv_proj", "o_proj")
+
+
+def _bias_reason(linears: dict[str, nn.Linear]) -> str | None:
+    for name, module in linears.items():
+        parent, _, leaf = name.rpartition(".")
+        if leaf not in _BIASED and module.bias is not None:
+            return (f"{name} has a bias, which pagedkv's forward does not add (no supported config gives "
+                    "that Linear one)")
+        q = linears.get(f"{parent}.q_proj") if leaf in _QKV else None
+        if q is not None and (q.bias is None) != (module.bias is None):
+            return (f"{name} {'lacks' if module.bias is None else 'has'} a bias where {parent}.q_proj "
+                    f"{'has one' if q.bias is not None else 'has none'}: pagedkv fuses q, k and v, biases "
+                    "all three or none")
+    return None
+
+
+_ACTIVATION_MODULES = ("act_fn", "activation_fn")  # HF's MLPs' and experts' names for it
+
+
+@functools.cache
+def _activation_class(activation: str) -> type:
+    from transformers.activations import ACT2FN  # (imports transformers' activations on first use)
+    return type(ACT2FN[activation])
+
+
+def layer_modules_reason(model, activation: str) -> str | None:
+    """None if every decoder layer's activation modules (an MLP's, an expert's) are the class the
+    config's `activation` makes (HF's ACT2FN) and every attention is causal, as the native
+    decoder computes them: HF's forward calls the modules, so a replaced act_fn or an attention's
+    is_causal set False changes HF's tokens, and pagedkv's kernels would not follow."""
+    want = _activation_class(activation)
+    for i, layer in enumerate(model.model._modules["layers"]):
+        for name, module in layer.named_modules(prefix=f"model.layers.{i}"):
+            leaf = name.rpartition(".")[2]
+            if leaf in _ACTIVATION_MODULES and type(module) is not want:
+                return (f"{name} is a {type(module).__name__}, not the {want.__name__} of the config's "
+                        f"activation {activation!r}: pagedkv's MLP kernels compute that activation only")
+            if leaf == "self_attn" and getattr(module, "is_causal", True) is not True:
+                return (f"{name}.is_causal is {module.is_causal!r}: pagedkv's attention is causal (HF's "
+                        "attention without its causal mask attends to later tokens)")
     return None
 
 

@@ -34,7 +34,7 @@ from pagedkv.layers.attention import ForwardMetadata, attention_workspace, paged
 from pagedkv.layers.hf_rounding import rms_norm_fp32_weight, rotate_fp32  # HF's rounding (tests read them here too)
 from pagedkv.layers.rotary import identity_rotation, rope_type
 from pagedkv.models.llama import _fuse_rows
-from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_path, path_reason
+from pagedkv.models.module_path import causal_lm_reason, head_dim_reason, layer_modules_reason, layer_path, path_reason
 from pagedkv.models.native_weights import NativeWeights, attention_scale, norm_eps
 from pagedkv.models.windows import layer_types, rope_kinds
 
@@ -95,7 +95,8 @@ def olmo2_reason(model, head_dims: tuple[int, ...], rope_types: tuple[str, ...])
 def _module_reason(model) -> str | None:
     """A module of another type on the decoder's path is refused (models/module_path.py)."""
     norms = ("post_attention_layernorm", "post_feedforward_layernorm")
-    return path_reason(layer_path(model, norms, ("q_norm", "k_norm")), model.config.model_type)
+    return (path_reason(layer_path(model, norms, ("q_norm", "k_norm")), model.config.model_type)
+            or layer_modules_reason(model, "silu"))
 
 
 def extract_olmo2_weights(model) -> Olmo2Weights:

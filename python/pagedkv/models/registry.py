@@ -15,7 +15,8 @@ from pagedkv.models.cohere import COHERE_MODEL_TYPES, cohere_reason
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, gemma_reason
 from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES
 from pagedkv.models.module_path import (ATTENTION_LINEARS, MLP_LINEARS, PathEntry, causal_lm_reason,
-                                        head_dim_reason, outer_path, path_reason, tensor_subclass)
+                                        head_dim_reason, layer_modules_reason, outer_path, path_reason,
+                                        tensor_subclass)
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
 from pagedkv.models.unsupported import UnsupportedModel  # noqa: F401  (re-exported: pagedkv.UnsupportedModel)
 from pagedkv.models.windows import layer_windows
@@ -153,7 +154,7 @@ def unsupported_reason(model, placement: bool = True) -> str | None:
     quantized = find_quantized(model, QUANTIZED_MODEL_TYPES)  # loaded quantized (models/hf_quantized.py)
     if isinstance(quantized, str):
         return quantized
-    reason = _module_reason(model, quantized)
+    reason = _module_reason(model, quantized) or layer_modules_reason(model, "silu")
     if reason is not None:
         return reason
     # Sliding layers run with their window (models/windows.py says whose), CPU and CUDA alike.

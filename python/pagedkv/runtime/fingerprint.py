@@ -24,7 +24,7 @@ def _eval_neutral(name: str) -> bool:
     return name in _EVAL_NEUTRAL or "dropout" in name or "pdrop" in name
 
 
-def fingerprint(model, versions: bool = False, training: bool = False) -> tuple:
+def fingerprint(model, versions: bool = False, training: bool = False, buffer_versions: bool = False) -> tuple:
     """What pagedkv's copy of the weights depends on: every module (its identity and type) and
     every parameter and buffer (identity, data pointer, dtype, device, shape; with `versions`
     also the count of in-place writes), as (name, entry) pairs, and the vocabulary size; and the
@@ -34,16 +34,19 @@ def fingerprint(model, versions: bool = False, training: bool = False) -> tuple:
     values once and a CUDA graph bakes them in, so a user's later edit of one must count as a
     change. `training`: every setting, the modules' training flags and dropout rates too (a
     fallback model's modules run as they are); else the eval-neutral ones are left out.
+    `buffer_versions`: the buffers' in-place writes count (a native model's rotary inv_freq is
+    copied into pagedkv's cos/sin table; HF's parameters are views of pagedkv's weights instead).
     O(modules + attributes) Python, ~1 ms for 28 layers on a loaded 2-core host: per call, not per step."""
     items: list[tuple[str, tuple]] = [("config.vocab_size", ("vocab", model.config.vocab_size))]
     items += [(f"config.{k}", ("setting", repr(v))) for k, v in sorted(vars(model.config).items())
               if not k.startswith("_") and (training or not _eval_neutral(k))]
     for name, module in model.named_modules():
         items.append((name or type(model).__name__, ("module", type(module), id(module))))
+        buffers = module._buffers.keys()
         for attr, t in itertools.chain(module._parameters.items(), module._buffers.items()):
             if t is not None:
                 entry = ("tensor", id(t), _data_pointer(t), t.dtype, t.device, t.shape)
-                if versions:  # inference tensors keep no version counter (nor can they change)
+                if versions or (buffer_versions and attr in buffers):  # inference tensors: no counter, no writes
                     entry += (0 if t.is_inference() else t._version,)
                 items.append((f"{name}.{attr}" if name else attr, entry))
         state = vars(module)

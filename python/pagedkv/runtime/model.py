@@ -163,14 +163,15 @@ class PreparedModel:
                     "" if tp is None else f" (rank {tp.rank} of {tp.world_size}'s shard)")
         packed = quantized_state(model, registry.QUANTIZED_MODEL_TYPES) if isinstance(found, QuantizedLinears) else ()
         return cls(weights, cos_sin, device, param.dtype, max_positions, tp,
-                   fingerprint=fingerprint(model, versions=_copies(model, tp)) + packed, rope=rope,
+                   fingerprint=fingerprint(model, versions=_copies(model, tp), buffer_versions=True) + packed, rope=rope,
                    hf_quantized=bool(packed))
 
     def change_in(self, model) -> str | None:
         """None if `model` is as these weights were taken from it, else its first change.
         A shard (tp) is a copy: in-place writes count too."""
         # HF's modules run a fallback model: their training flags count too
-        now = fingerprint(model, versions=_copies(model, self.tp), training=isinstance(self.weights, FallbackWeights))
+        fallback = isinstance(self.weights, FallbackWeights)
+        now = fingerprint(model, versions=_copies(model, self.tp), training=fallback, buffer_versions=not fallback)
         if self.hf_quantized:  # repacked copies: writes in place count (models/hf_quantized.py)
             now += quantized_state(model, registry.QUANTIZED_MODEL_TYPES)
         return None if now == self.fingerprint else describe_change(self.fingerprint, now)

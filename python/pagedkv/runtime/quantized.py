@@ -82,7 +82,7 @@ def from_pretrained_quantized(path: str | os.PathLike, dtype: torch.dtype | None
                 type(model).__name__, fmt.weights, str(dtype).removeprefix("torch."), device,
                 weight_bytes(weights) / 1e6)
     setattr(model, PREPARED_ATTR, PreparedModel(weights, cos_sin, device, dtype, max_positions, None,
-                                                fingerprint=fingerprint(model), quant=fmt.name))
+                                                fingerprint=fingerprint(model, buffer_versions=True), quant=fmt.name))
     model.register_forward_pre_hook(_skeleton_forward)
     return model
 
