@@ -37,9 +37,11 @@ def forward_hooks(model) -> list[tuple[str, str, Callable]]:
     found = [("every module", kind, hook) for kind, hook in itertools.chain(
         _hooks_of(nn_module._global_forward_pre_hooks, "global forward pre-hook"),
         _hooks_of(nn_module._global_forward_hooks, "global forward hook"))]
-    for name, module in model.named_modules():
-        if module._forward_pre_hooks or module._forward_hooks:  # most modules: two empty dicts
-            found += [(name or "the model", kind, hook) for kind, hook in itertools.chain(
+    hooked = [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks]  # most: two empty dicts
+    if hooked:
+        names = {id(m): name for name, m in model.named_modules()}
+        for module in hooked:
+            found += [(names[id(module)] or "the model", kind, hook) for kind, hook in itertools.chain(
                 _hooks_of(module._forward_pre_hooks, "forward pre-hook"),
                 _hooks_of(module._forward_hooks, "forward hook"))]
     return found
