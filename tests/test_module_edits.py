@@ -94,3 +94,40 @@ def test_rotary_frequencies_written_in_place_are_followed(device):
     with pytest.raises(ModelChanged, match=r"model.rotary_emb.inv_freq was written in place"):
         llm_tokens(llm)
     assert not torch.equal(assert_matches_hf(model), before)
+
+
+def test_pruned_and_reordered_layers_run():
+    """Layers reordered or removed (model.model.layers cut), the attentions' layer_idx still
+    0 .. n-1 (HF's cache slots): HF's forward runs the layers held, and so does pagedkv; a pruned
+    model not numbered again is refused."""
+    model = tiny_model("llama")
+    before = assert_matches_hf(model)
+    model.model.layers = nn.ModuleList([model.model.layers[1], model.model.layers[0]])
+    reordered = assert_matches_hf(model)
+    assert not torch.equal(reordered, before)
+    model.model.layers = model.model.layers[:1]  # the attention numbered 1: HF's masks read slot 0
+    with pytest.raises(pagedkv.UnsupportedModel, match=r"the attentions' layer_idx are \[1\].*layer_idx = i"):
+        paged_tokens(model)
+    model.model.layers[0].self_attn.layer_idx = 0
+    assert not torch.equal(assert_matches_hf(model), reordered)
+
+
+def test_fewer_layers_in_the_config_than_held_is_refused():
+    model = tiny_model("llama")
+    before = assert_matches_hf(model)
+    model.config.num_hidden_layers = 1  # HF's forward: self.layers[:num_hidden_layers]
+    assert not torch.equal(hf_tokens(model), before)
+    with pytest.raises(pagedkv.UnsupportedModel, match=r"config.num_hidden_layers is 1 but model.model.layers "
+                                                       r"holds 2.*model.model.layers\[:1\]"):
+        paged_tokens(model)
+
+
+def test_two_attentions_sharing_a_cache_slot_are_refused():
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 17, 9, 100]])  # one row: HF's SDPA fails on a padded batch here
+    before = hf_tokens(model, ids, None)
+    model.model.layers[0].self_attn.layer_idx = 1  # HF's cache: layer 0's K/V appended to layer 1's
+    assert not torch.equal(hf_tokens(model, ids, None), before)
+    with pytest.raises(pagedkv.UnsupportedModel, match=r"model.layers.1.self_attn.layer_idx is 1, as "
+                                                       r"model.layers.0.self_attn's"):
+        paged_tokens(model, ids, None)

@@ -117,10 +117,19 @@ def layer_modules_reason(model, activation: str) -> str | None:
     """None if every decoder layer's activation modules (an MLP's, an expert's) are the class the
     config's `activation` makes (HF's ACT2FN) and every attention is causal, as the native
     decoder computes them: HF's forward calls the modules, so a replaced act_fn or an attention's
-    is_causal set False changes HF's tokens, and pagedkv's kernels would not follow. Per call:
+    is_causal set False changes HF's tokens, and pagedkv's kernels would not follow. Also refused:
+    fewer layers in the config than held (HF runs the first num_hidden_layers), and attentions
+    sharing a layer_idx or leaving one of 0 .. n-1 out (HF's cache slots; its masks read slot 0's
+    length). Per call:
     a walk over `_modules` (names only on a hit), ~0.5 ms for 28 layers on a loaded 2-core host."""
     want = _activation_class(activation)
     layers = model.model._modules["layers"]
+    runs = getattr(model.config, "num_hidden_layers", None)
+    if runs is not None and runs < len(layers):
+        return (f"config.num_hidden_layers is {runs} but model.model.layers holds {len(layers)}: HF's forward "
+                f"runs only the first {runs}, pagedkv every layer held; keep those the config names "
+                f"(model.model.layers = model.model.layers[:{runs}])")
+    cache_slots: dict[int, nn.Module] = {}  # HF's cache keeps a layer's K/V under its attention's layer_idx
     for module in layers.modules():
         subs = module._modules
         for leaf in _ACTIVATION_MODULES:
@@ -129,9 +138,20 @@ def layer_modules_reason(model, activation: str) -> str | None:
                 return (f"{_name_in(model, act)} is a {type(act).__name__}, not the {want.__name__} of the "
                         f"config's activation {activation!r}: pagedkv's MLP kernels compute that activation only")
         attn = subs.get("self_attn")
-        if attn is not None and vars(attn).get("is_causal", True) is not True:
+        if attn is None:
+            continue
+        if vars(attn).get("is_causal", True) is not True:
             return (f"{_name_in(model, attn)}.is_causal is {attn.is_causal!r}: pagedkv's attention is causal "
                     "(HF's attention without its causal mask attends to later tokens)")
+        slot = vars(attn).get("layer_idx")
+        if slot in cache_slots:
+            return (f"{_name_in(model, attn)}.layer_idx is {slot}, as {_name_in(model, cache_slots[slot])}'s: "
+                    "HF's cache would keep both layers' K/V in one slot, pagedkv keeps each layer's own")
+        if slot is not None:
+            cache_slots[slot] = attn
+    if cache_slots and sorted(cache_slots) != list(range(len(cache_slots))):
+        return (f"the attentions' layer_idx are {sorted(cache_slots)}: HF's cache and masks read slot 0 .. "
+                f"{len(cache_slots) - 1} (a pruned model: number them again, layer.self_attn.layer_idx = i)")
     return None
 
 
