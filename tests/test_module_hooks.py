@@ -14,6 +14,7 @@ import pagedkv
 from pagedkv import LLM
 from conftest import DEVICES
 from models import tiny_model
+from test_engine import assert_nothing_held
 from test_fallback import tiny as tiny_fallback
 from test_model_state import GREEDY, PAD_WIDTH, assert_matches_hf, batch, hf_tokens, llm_tokens, paged_tokens
 
@@ -50,11 +51,6 @@ HOOKS = {  # how each is registered, and where the error says it is
     "forward hook on the model": (shift_logits, "the model has a forward hook"),
     "global forward hook": (global_mlp_hook, "every module has a global forward hook"),
 }
-
-
-def assert_nothing_held(model) -> None:
-    cache = pagedkv.kv_cache_of(model)
-    assert cache is None or cache.num_free_blocks == cache.num_blocks
 
 
 @pytest.mark.parametrize("device", DEVICES)

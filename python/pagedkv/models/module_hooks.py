@@ -7,11 +7,11 @@ Checked per generate() / LLM call, not per step."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 
 from torch.nn.modules import module as nn_module
 
+from pagedkv.models.module_path import module_name
 from pagedkv.models.registry import compiled_original
 
 
@@ -34,16 +34,17 @@ def forward_hooks(model) -> list[tuple[str, str, Callable]]:
     outputs: the global ones (torch.nn.modules.module.register_module_forward_hook) and each
     module's, the model's own included (HF's generate calls the model at every step)."""
     model = compiled_original(model)
-    found = [("every module", kind, hook) for kind, hook in itertools.chain(
-        _hooks_of(nn_module._global_forward_pre_hooks, "global forward pre-hook"),
-        _hooks_of(nn_module._global_forward_hooks, "global forward hook"))]
-    hooked = [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks]  # most: two empty dicts
-    if hooked:
-        names = {id(m): name for name, m in model.named_modules()}
-        for module in hooked:
-            found += [(names[id(module)] or "the model", kind, hook) for kind, hook in itertools.chain(
-                _hooks_of(module._forward_pre_hooks, "forward pre-hook"),
-                _hooks_of(module._forward_hooks, "forward hook"))]
+    found = [("every module", kind, hook) for kind, hook in [
+        *_hooks_of(nn_module._global_forward_pre_hooks, "global forward pre-hook"),
+        *_hooks_of(nn_module._global_forward_hooks, "global forward hook")]]
+    for module in model.modules():
+        if not (module._forward_pre_hooks or module._forward_hooks):  # most modules: two empty dicts
+            continue
+        hooks = [*_hooks_of(module._forward_pre_hooks, "forward pre-hook"),
+                 *_hooks_of(module._forward_hooks, "forward hook")]
+        if hooks:  # named only then: transformers' capture hooks sit on every layer once installed
+            where = module_name(model, module) or "the model"
+            found += [(where, kind, hook) for kind, hook in hooks]
     return found
 
 

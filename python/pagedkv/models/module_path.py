@@ -135,17 +135,17 @@ def layer_modules_reason(model, activation: str) -> str | None:
         for leaf in _ACTIVATION_MODULES:
             act = subs.get(leaf)
             if act is not None and type(act) is not want:
-                return (f"{_name_in(model, act)} is a {type(act).__name__}, not the {want.__name__} of the "
+                return (f"{module_name(model, act)} is a {type(act).__name__}, not the {want.__name__} of the "
                         f"config's activation {activation!r}: pagedkv's MLP kernels compute that activation only")
         attn = subs.get("self_attn")
         if attn is None:
             continue
         if vars(attn).get("is_causal", True) is not True:
-            return (f"{_name_in(model, attn)}.is_causal is {attn.is_causal!r}: pagedkv's attention is causal "
+            return (f"{module_name(model, attn)}.is_causal is {attn.is_causal!r}: pagedkv's attention is causal "
                     "(HF's attention without its causal mask attends to later tokens)")
         slot = vars(attn).get("layer_idx")
         if slot in cache_slots:
-            return (f"{_name_in(model, attn)}.layer_idx is {slot}, as {_name_in(model, cache_slots[slot])}'s: "
+            return (f"{module_name(model, attn)}.layer_idx is {slot}, as {module_name(model, cache_slots[slot])}'s: "
                     "HF's cache would keep both layers' K/V in one slot, pagedkv keeps each layer's own")
         if slot is not None:
             cache_slots[slot] = attn
@@ -155,7 +155,7 @@ def layer_modules_reason(model, activation: str) -> str | None:
     return None
 
 
-def _name_in(model, module: nn.Module) -> str:
+def module_name(model, module: nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is module)
 
 

@@ -15,8 +15,8 @@ from pagedkv.models.cohere import COHERE_MODEL_TYPES, cohere_reason
 from pagedkv.models.gemma import GEMMA_MODEL_TYPES, gemma_reason
 from pagedkv.models.interleaved_rope import INTERLEAVED_ROPE_MODEL_TYPES
 from pagedkv.models.module_path import (ATTENTION_LINEARS, MLP_LINEARS, PathEntry, causal_lm_reason,
-                                        head_dim_reason, layer_modules_reason, outer_path, path_reason,
-                                        tensor_subclass)
+                                        head_dim_reason, layer_modules_reason, module_name, outer_path,
+                                        path_reason, tensor_subclass)
 from pagedkv.models.olmo2 import OLMO2_MODEL_TYPES, olmo2_reason
 from pagedkv.models.unsupported import UnsupportedModel  # noqa: F401  (re-exported: pagedkv.UnsupportedModel)
 from pagedkv.models.windows import layer_windows
@@ -98,7 +98,7 @@ def check_no_dropout(model, who: str, suffix: str = "") -> None:
     model = compiled_original(model)
     for module in model.modules():  # a walk like weights_version's (per call, not per step); names on a hit
         if module.training and (p := _dropout_p(module)) > 0:
-            name = next(n for n, m in model.named_modules() if m is module)
+            name = module_name(model, module)
             raise ValueError(f"{who}: the model is in training mode with dropout at {name or 'the model'} "
                              f"({type(module).__name__}, p={p:g}): HF's generate would drop activations at random "
                              f"(it does not call eval()), pagedkv never does; call model.eval() first{suffix}")
